@@ -1,0 +1,6 @@
+"""gemma4-kv: vLLM KV cache offload for hybrid-attention models (Gemma 4) through LMCache."""
+
+__version__ = "0.1.0"
+
+FORMAT_VERSION = 1
+"""Version of the stored chunk format (KV_2LTD objects per group); part of every key."""
