@@ -1,0 +1,82 @@
+"""The vLLM KV connector: a thin facade over the scheduler and worker halves.
+
+    --kv-transfer-config '{"kv_connector": "Gemma4KVConnector",
+                           "kv_connector_module_path": "gemma4_kv.connector",
+                           "kv_role": "kv_both"}'
+
+It implements `SupportsHMA`, so vLLM keeps its hybrid allocator (one block table
+per KV cache group) on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                              KVConnectorRole, SupportsHMA)
+
+from .settings import ConnectorSettings
+
+
+class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
+        super().__init__(vllm_config, role, kv_cache_config)
+        settings = ConnectorSettings.from_extra_config(
+            vllm_config.kv_transfer_config.kv_connector_extra_config)
+        self._scheduler = self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from .scheduler import ConnectorScheduler
+
+            self._scheduler = ConnectorScheduler(vllm_config, kv_cache_config, settings)
+        else:
+            from .worker import ConnectorWorker
+
+            self._worker = ConnectorWorker(vllm_config, kv_cache_config, settings)
+
+    # -- scheduler side ---------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request)
+
+    # -- worker side ------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        self._worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # start_load_kv finishes every load before the forward
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return None  # whole chunks of all layers are stored in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids):
+        return self._worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.client.close()

@@ -1,0 +1,34 @@
+"""What the scheduler half tells the worker half each step (pickled by vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class LoadRequest:
+    """Fill tokens [start, hit) of a request from stored chunks 0 .. hit / chunk_size - 1."""
+
+    req_id: str
+    start: int
+    hit: int
+    hashes: list[bytes]
+    block_ids: tuple[list[int], ...]
+
+
+@dataclass
+class SaveRequest:
+    """Store chunks `first_chunk ..` of a request (their tokens are computed this step)."""
+
+    req_id: str
+    first_chunk: int
+    hashes: list[bytes]
+    block_ids: tuple[list[int], ...]
+
+
+@dataclass
+class Gemma4KVMetadata(KVConnectorMetadata):
+    loads: list[LoadRequest] = field(default_factory=list)
+    saves: list[SaveRequest] = field(default_factory=list)

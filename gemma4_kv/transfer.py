@@ -1,0 +1,63 @@
+"""How bytes travel between vLLM's caches and the store's objects, per device.
+
+CPU (and any non-CUDA device): the torch mover copies straight into / out of the
+store's objects.
+
+CUDA:
+- save = staged: the Triton kernel gathers all chunks of a group into a device
+  staging buffer at device bandwidth (a short burst of SM time), then a side stream
+  copies each chunk object to the store's pinned memory by DMA (no SMs) while the
+  model keeps computing. The objects are committed when the copy's event has fired.
+- load = direct: the kernel reads the needed blocks straight from the store's pinned
+  memory (UVA), so a sliding-window group moves only its window's blocks, in one pass
+  over PCIe. The forward waits for loads anyway, so all SMs may help.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .layout import KVGroup
+from .mover import BlockMoves, gather, scatter
+from .plan import ChunkBlocks
+
+
+class Transfer:
+    def __init__(self, device: torch.device, num_programs: int):
+        self.device = device
+        self.num_programs = num_programs
+        self.cuda = device.type == "cuda"
+        self.side_stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def load(self, group: KVGroup, caches: Sequence[torch.Tensor],
+             objects: Sequence[torch.Tensor], plan: Sequence[ChunkBlocks]) -> None:
+        """Fill the planned blocks from store objects (`objects[k]` for `plan[k]`)."""
+        if self.cuda and not all(o.is_pinned() for o in objects):
+            objects = [o.to(self.device, non_blocking=True) for o in objects]
+        scatter(group, caches, objects, BlockMoves.from_chunks(plan, self.device),
+                self.num_programs)
+
+    def save(self, group: KVGroup, caches: Sequence[torch.Tensor],
+             objects: Sequence[torch.Tensor], plan: Sequence[ChunkBlocks]) -> list:
+        """Start copying the planned blocks into store objects (`objects[k]` for
+        `plan[k]`). Returns what must stay alive until `fence()` has fired."""
+        moves = BlockMoves.from_chunks(plan, self.device)
+        if not self.cuda:
+            gather(group, caches, objects, moves)
+            return []
+        staging = torch.empty((len(objects), *objects[0].shape), dtype=objects[0].dtype,
+                              device=self.device)
+        gather(group, caches, list(staging), moves, self.num_programs)
+        gathered = torch.cuda.current_stream(self.device).record_event()
+        self.side_stream.wait_event(gathered)
+        with torch.cuda.stream(self.side_stream):
+            for obj, buf in zip(objects, staging):
+                obj.copy_(buf, non_blocking=True)
+        staging.record_stream(self.side_stream)
+        return [staging, moves]
+
+    def fence(self) -> torch.cuda.Event | None:
+        """An event that fires once every save started so far has reached the store."""
+        return self.side_stream.record_event() if self.cuda else None
