@@ -45,11 +45,12 @@ def tiny_assistant_config(target, *, layers: int = 4, hidden: int = 64):
     """A Gemma 4 MTP assistant for `target` (its draft layers share target KV)."""
     import transformers
 
+    sliding, full = target.per_layer_config[0], target.per_layer_config[-1]
     text = transformers.Gemma4TextConfig(
         vocab_size=target.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
-        global_head_dim=target.per_layer_config[target.num_hidden_layers - 1].head_dim,
+        num_key_value_heads=sliding.num_key_value_heads, head_dim=sliding.head_dim,
+        global_head_dim=full.head_dim,
         sliding_window=target.sliding_window,
         layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
         hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
