@@ -72,9 +72,16 @@ def run(spec: dict) -> dict:
 
     kwargs = dict(model=spec["model"], load_format="dummy", skip_tokenizer_init=True,
                   seed=0, enable_prefix_caching=False)
+    try:  # vLLM's Python code on a GPU machine without its compiled ops (shared/gpu-vllm)
+        import vllm_c_shim
+
+        kwargs.update(vllm_c_shim.engine_kwargs())
+    except ImportError:
+        pass
     kwargs.update(spec.get("engine", {}))
     if spec.get("speculative_config"):
         kwargs["speculative_config"] = spec["speculative_config"]
+        kwargs["disable_log_stats"] = False  # for the draft acceptance counters
     if spec.get("connector"):
         kwargs["kv_transfer_config"] = {
             "kv_connector": "Gemma4KVConnector",
@@ -94,7 +101,15 @@ def run(spec: dict) -> dict:
         out["ttft"].append(time.perf_counter() - t)  # = TTFT when max_tokens is 1
         out["outputs"].append(list(res.outputs[0].token_ids))
         out["cached"].append(res.num_cached_tokens)
+        if spec.get("speculative_config"):
+            out.setdefault("spec_decode", []).append(_spec_counters(llm))
     return out
+
+
+def _spec_counters(llm) -> dict:
+    """Cumulative draft / accepted token counters of the engine."""
+    return {m.name: m.value for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")}
 
 
 def main(argv=None) -> int:

@@ -18,9 +18,9 @@ kernel knows the base pointers' 16-byte alignment and can vectorise.
 import triton
 import triton.language as tl
 
-ROW_BYTES_PER_ITER = 8192
-"""Bytes a program moves per loop iteration (rows x head_size): big enough for
-16-byte vector accesses across all warps, small enough to keep registers low."""
+TILE_BYTES = 8192
+"""Bytes a program moves per loop iteration (rows x head_size)."""
+NUM_WARPS = 4
 
 
 @triton.jit

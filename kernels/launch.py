@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .copy_blocks import ROW_BYTES_PER_ITER, copy_blocks_kernel
+from .copy_blocks import NUM_WARPS, TILE_BYTES, copy_blocks_kernel
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -21,7 +21,8 @@ def _as_int(t: torch.Tensor) -> torch.Tensor:
 def copy_blocks(caches: Sequence[torch.Tensor], chunks: Sequence[torch.Tensor],
                 block_ids: torch.Tensor, chunk_index: torch.Tensor, slots: torch.Tensor,
                 *, block_size: int, head_size: int, to_chunk: bool,
-                num_programs: int = DEFAULT_PROGRAMS) -> None:
+                num_programs: int = DEFAULT_PROGRAMS, tile_bytes: int = TILE_BYTES,
+                num_warps: int = NUM_WARPS) -> None:
     """Copy blocks `block_ids[i]` of every layer in `caches` to / from block slot
     `slots[i]` of chunk object `chunks[chunk_index[i]]` ([2, L, T, heads*head_size]).
 
@@ -61,7 +62,7 @@ def copy_blocks(caches: Sequence[torch.Tensor], chunks: Sequence[torch.Tensor],
     layer_off_t = torch.tensor(layer_off, dtype=torch.int64).to(dev, non_blocking=True)
     chunk_off_t = torch.tensor(chunk_off, dtype=torch.int64).to(dev, non_blocking=True)
     n_units = n * 2 * len(caches)
-    rows = max(1, min(block_size * heads, ROW_BYTES_PER_ITER // (head_size * elt)))
+    rows = max(1, min(block_size * heads, tile_bytes // (head_size * elt)))
     rows = 1 << (rows.bit_length() - 1)  # a power of two for tl.arange
     grid = (max(1, min(num_programs, n_units)),)
     copy_blocks_kernel[grid](
@@ -70,5 +71,5 @@ def copy_blocks(caches: Sequence[torch.Tensor], chunks: Sequence[torch.Tensor],
         n_units, len(caches), shape[2],
         s_block, first.stride(1), first.stride(2), first.stride(0), piece_tokens,
         HEADS=heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
-        BLOCK_ROWS=rows, TO_CHUNK=to_chunk, ALIGNED=aligned,
+        BLOCK_ROWS=rows, TO_CHUNK=to_chunk, ALIGNED=aligned, num_warps=num_warps,
     )

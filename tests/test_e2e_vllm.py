@@ -4,105 +4,19 @@ tokens and bytes loaded per group must be what the planner predicts."""
 
 from __future__ import annotations
 
-import json
-import os
-import random
-import subprocess
-import sys
-from collections import Counter
-
 import pytest
 import torch
 
-from gemma4_kv.harness import save_config, tiny_assistant_config, tiny_gemma4_config
-from gemma4_kv.hf_layout import hf_layout
-from gemma4_kv.keys import chunk_hashes
-from gemma4_kv.plan import max_servable_hit, needed_blocks
+from e2e_common import (check_against_plan, run_engine, save_config, tiny_assistant_config,
+                        tiny_gemma4_config)
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-CHUNK = 256
 BLOCK = 32  # vLLM --block-size: sliding groups get 64-token blocks, full ones 32
 WINDOW = 100  # smaller than every prompt and than a chunk
-
-
-def prompts():
-    rng = random.Random(0)
-    base = [rng.randrange(3, 500) for _ in range(1100)]
-    other = [rng.randrange(3, 500) for _ in range(700)]
-    return [
-        base,                        # cold: stores chunks 0-3
-        base,                        # same prompt: hit 1024 (P - 1 = 1099)
-        base[:600] + other[:300],    # shares 600 tokens, off a chunk boundary: hit 512
-        base[:513],                  # P - 1 = 512, on a chunk boundary: hit 512
-        base[:200] + other[:400],    # shares less than a chunk: no hit
-        base[:256] + other[:44],     # shares exactly one chunk: hit 256
-        base + other,                # longer: hit 1024, then stores chunks 4-6
-        base + other,                # hit 1792
-    ]
-
-
-def run_engine(tmp_path, name, model, *, connector, extra=None, engine=None, spec_cfg=None):
-    stats = tmp_path / f"{name}.stats.jsonl"
-    spec = {"model": model, "prompts": prompts(), "connector": connector, "max_tokens": 6,
-            "engine": {"dtype": "float32", "enforce_eager": True, "max_model_len": 4096,
-                       "block_size": BLOCK, **(engine or {})},
-            "extra_config": {"cpu_gb": 0.25, "stats_file": str(stats), **(extra or {})},
-            "speculative_config": spec_cfg}
-    spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONHASHSEED="0",
-               VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
-    proc = subprocess.run([sys.executable, "-m", "gemma4_kv.harness", str(spec_path),
-                           str(out_path)], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    events = [json.loads(l) for l in stats.read_text().splitlines()] if stats.exists() else []
-    return json.loads(out_path.read_text()), events
-
-
-def expected_hits(layout):
-    """Replay the prompts against a model of the store: every full chunk is stored."""
-    stored, hits = set(), []
-    for p in prompts():
-        hashes = chunk_hashes(p, CHUNK)
-        max_chunks = min(len(hashes), (len(p) - 1) // CHUNK)
-        hits.append(max_servable_hit(layout, CHUNK, max_chunks,
-                                     lambda g, c: hashes[c] in stored))
-        stored.update(hashes)
-    return hits
-
-
-def check_against_plan(cfg, events, out, base, *, assistant=None):
-    layout = hf_layout(cfg, assistant_config=assistant, dtype=torch.float32, block_size=BLOCK)
-    # The worker built its descriptors from vLLM's real KVCacheConfig and tensors:
-    # they must be the groups we predict from the config, KV-shared aliases included.
-    (real,) = [e for e in events if e["event"] == "layout"]
-    assert [(g["kind"], g["window"], g["block_size"], g["layers"], g["aliases"])
-            for g in real["groups"]] == [
-        (g.kind.value, g.window, g.block_size, list(g.layers),
-         [a for a, _ in g.aliases if not a.startswith("draft_model.") or assistant])
-        for g in layout.groups]
-
-    assert out["outputs"] == base["outputs"], "greedy tokens differ from recomputation"
-    hits = expected_hits(layout)
-    assert out["cached"] == hits
-    assert base["cached"] == [0] * len(hits)
-
-    loads = [e for e in events if e["event"] == "load"]
-    assert [e["end"] for e in loads] == [h for h in hits if h]
-    for e in loads:
-        for g in layout.groups:
-            blocks = len(needed_blocks(g, 0, e["end"]))
-            assert e["groups"][str(g.group_id)] == {
-                "blocks": blocks, "bytes": blocks * g.page_bytes * len(g.layers)}
-    # Sliding groups load only their window: 2 blocks of 64 tokens for window 100.
-    assert all(e["groups"]["0"]["blocks"] <= 3 for e in loads)
-    saved = Counter()
-    for e in events:
-        if e["event"] == "save":
-            saved[e["req_id"]] += (e["end"] - e["start"]) // CHUNK
-    assert sum(saved.values()) == len({h for p in prompts() for h in chunk_hashes(p, CHUNK)})
+ENGINE = {"dtype": "float32", "block_size": BLOCK}
+CHECK = {"dtype": torch.float32, "block_size": BLOCK}
 
 
 @pytest.mark.parametrize("variant", ["plain", "kv_shared_chunked_prefill"])
@@ -110,10 +24,10 @@ def test_connector_matches_recomputation(tmp_path, variant):
     shared = variant != "plain"
     cfg = tiny_gemma4_config(kv_shared=4 if shared else 0, window=WINDOW)
     model = save_config(cfg, tmp_path / "model")
-    engine = {"max_num_batched_tokens": 512} if shared else {}
+    engine = {**ENGINE, **({"max_num_batched_tokens": 512} if shared else {})}
     base, _ = run_engine(tmp_path, "base", model, connector=False, engine=engine)
     out, events = run_engine(tmp_path, "conn", model, connector=True, engine=engine)
-    check_against_plan(cfg, events, out, base)
+    check_against_plan(cfg, events, out, base, **CHECK)
 
 
 def test_connector_with_mtp_assistant(tmp_path):
@@ -121,6 +35,9 @@ def test_connector_with_mtp_assistant(tmp_path):
     model = save_config(cfg, tmp_path / "model")
     assistant = save_config(tiny_assistant_config(cfg), tmp_path / "assistant")
     spec_cfg = {"method": "mtp", "model": assistant, "num_speculative_tokens": 1}
-    base, _ = run_engine(tmp_path, "base", model, connector=False, spec_cfg=spec_cfg)
-    out, events = run_engine(tmp_path, "conn", model, connector=True, spec_cfg=spec_cfg)
-    check_against_plan(cfg, events, out, base, assistant=tiny_assistant_config(cfg).text_config)
+    base, _ = run_engine(tmp_path, "base", model, connector=False, engine=ENGINE,
+                         spec_cfg=spec_cfg)
+    out, events = run_engine(tmp_path, "conn", model, connector=True, engine=ENGINE,
+                             spec_cfg=spec_cfg)
+    check_against_plan(cfg, events, out, base, assistant=tiny_assistant_config(cfg).text_config,
+                       **CHECK)
