@@ -18,7 +18,8 @@ class ConnectorSettings:
     disk_gb: float = 0.0
     """Disk tier capacity with LRU eviction; 0 = unbounded."""
     num_programs: int = 132
-    """SM budget of the Triton gather/scatter kernels (persistent grid size)."""
+    """Programs (SM budget) of the Triton kernel that loads straight from pinned host
+    memory; saves gather with the full grid for a few ms, then copy by DMA."""
     model_id: str | None = None
     """Overrides the model name in the key fingerprint (default: vLLM's model path)."""
     stats_file: str | None = None

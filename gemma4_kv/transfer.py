@@ -49,7 +49,7 @@ class Transfer:
             return []
         staging = torch.empty((len(objects), *objects[0].shape), dtype=objects[0].dtype,
                               device=self.device)
-        gather(group, caches, list(staging), moves, self.num_programs)
+        gather(group, caches, list(staging), moves)  # device bandwidth: the full grid
         gathered = torch.cuda.current_stream(self.device).record_event()
         self.side_stream.wait_event(gathered)
         with torch.cuda.stream(self.side_stream):

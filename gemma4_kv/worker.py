@@ -76,6 +76,12 @@ class ConnectorWorker:
     # -- lookup service (called from the scheduler through `LookupServer`) -------------
     def lookup(self, req_id: str, hashes: list[bytes], start: int) -> int:
         """Largest hit every group can serve; its objects stay pinned until loaded."""
+        t0 = time.perf_counter()
+        hit = self._lookup(req_id, hashes, start)
+        self._record("lookup", req_id, start, hit, [], t0)
+        return hit
+
+    def _lookup(self, req_id: str, hashes: list[bytes], start: int) -> int:
         with self._lock:
             self._release_locked(req_id)
             present = self.store.present(hashes)

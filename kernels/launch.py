@@ -10,8 +10,10 @@ from .copy_blocks import NUM_WARPS, TILE_BYTES, copy_blocks_kernel
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-DEFAULT_PROGRAMS = 132
-"""One program per SM of an H200; callers that overlap compute pass fewer."""
+DEFAULT_PROGRAMS = 528
+"""Four programs per SM of an H200: device-buffer gathers peak there (1845 GB/s one way,
+87% of the device-to-device copy, against 1619 with 132). Reading or writing pinned host
+memory is PCIe-bound from 32 programs on; callers that overlap compute pass fewer."""
 
 
 def _as_int(t: torch.Tensor) -> torch.Tensor:
