@@ -38,10 +38,10 @@ class BlockMoves:
         """Moves for `chunk_blocks[k]` address chunk object number `k`."""
         rows = [(b, k, s) for k, cb in enumerate(chunk_blocks)
                 for b, s in zip(cb.block_ids, cb.slots)]
-        t = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
+        t = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).t().contiguous()
         if torch.device(device).type == "cuda":
             t = t.pin_memory().to(device, non_blocking=True)
-        return cls(t[:, 0], t[:, 1], t[:, 2])
+        return cls(t[0], t[1], t[2])  # each row contiguous: the kernel indexes them flat
 
     def __len__(self) -> int:
         return self.block_ids.numel()

@@ -49,6 +49,10 @@ def copy_blocks(caches: Sequence[torch.Tensor], chunks: Sequence[torch.Tensor],
     n = block_ids.numel()
     if n == 0:
         return
+    for t in (block_ids, chunk_index, slots):
+        if t.dtype != torch.int64 or not t.is_contiguous() or t.numel() != n:
+            raise ValueError("block_ids, chunk_index and slots must be contiguous int64 "
+                             "tensors of one length")
     elt = first.element_size()
     cache_base, chunk_base = _as_int(first), _as_int(chunks[0])
     layer_off = [(c.data_ptr() - first.data_ptr()) // elt for c in caches]

@@ -140,3 +140,21 @@ def test_reference_rejects_mismatched_chunk():
     moves = BlockMoves(torch.tensor([1]), torch.tensor([0]), torch.tensor([0]))
     with pytest.raises(ValueError, match="does not match"):
         torch_gather(group, caches, bad, moves)
+
+
+def test_moves_built_from_a_plan_drive_the_kernel():
+    """The connector's path: ChunkBlocks -> BlockMoves -> kernel (flat index tensors)."""
+    from gemma4_kv.plan import ChunkBlocks
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    group = make_group(2, 2, 8, 16, torch.bfloat16)
+    caches = make_paged(2, 10, 2, 8, 16, torch.bfloat16, "LBNHC", device)
+    plan = [ChunkBlocks(0, 0, (0, 1, 3), (5, 2, 7)), ChunkBlocks(0, 1, (2,), (9,))]
+    moves = BlockMoves.from_chunks(plan, device)
+    assert all(t.is_contiguous() for t in (moves.block_ids, moves.chunk_index, moves.slots))
+    shape = group.chunk_shape(32)
+    got = [random_bits(shape, torch.bfloat16).to(device) for _ in range(2)]
+    want = [c.clone() for c in got]
+    _triton(True)(group, caches, got, moves)
+    torch_gather(group, caches, want, moves)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want))
