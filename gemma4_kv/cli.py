@@ -77,6 +77,14 @@ def main(argv=None) -> int:
     i.add_argument("--block-size", type=int, default=16, help="vLLM's --block-size")
     i.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     i.set_defaults(fn=cmd_inspect)
+    d = sub.add_parser("demo", help="run a Gemma 4-shaped model in vLLM with the connector",
+                       add_help=False)
+    d.set_defaults(fn=None)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:
+        from .demo import main as demo_main
+
+        return demo_main(argv[1:])
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -17,6 +17,9 @@ class ConnectorSettings:
     """Directory of an optional LMCache local-disk tier (fs_native) behind the CPU tier."""
     disk_gb: float = 0.0
     """Disk tier capacity with LRU eviction; 0 = unbounded."""
+    l2_adapters: tuple = ()
+    """More LMCache L2 tiers behind the CPU tier: a list of `lmcache server --l2-adapter`
+    JSON objects (Redis/Valkey `resp`, `fs_native` on a shared mount, `p2p`, ...)."""
     num_programs: int = 132
     """Programs (SM budget) of the Triton kernel that loads straight from pinned host
     memory; saves gather with the full grid for a few ms, then copy by DMA."""
@@ -40,4 +43,4 @@ class ConnectorSettings:
 
     def store_config(self) -> StoreConfig:
         return StoreConfig(cpu_bytes=int(self.cpu_gb * (1 << 30)), disk_path=self.disk_path,
-                           disk_gb=self.disk_gb)
+                           disk_gb=self.disk_gb, l2_adapters=tuple(self.l2_adapters))

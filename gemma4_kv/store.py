@@ -14,6 +14,8 @@ from under a load.
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,8 +37,21 @@ class StoreConfig:
     cpu_bytes: int = 4 << 30
     disk_path: str | None = None
     disk_gb: float = 0.0
+    l2_adapters: tuple[dict, ...] = ()
+    """More LMCache L2 tiers, as `lmcache server --l2-adapter` JSON objects (e.g.
+    {"type": "resp", ...} for Redis/Valkey, "fs_native" on a shared mount, "p2p")."""
     eviction_policy: str = "LRU"
     lookup_timeout_s: float = 5.0
+
+    def adapter_specs(self) -> list[dict]:
+        specs = list(self.l2_adapters)
+        if self.disk_path:
+            disk = {"type": "fs_native", "base_path": self.disk_path, "num_workers": 4,
+                    "max_capacity_gb": self.disk_gb}
+            if self.disk_gb:
+                disk["eviction"] = {"eviction_policy": "LRU"}
+            specs.insert(0, disk)
+        return specs
 
 
 def _lmcache():
@@ -56,22 +71,17 @@ class ChunkStore:
         self.layout, self.fingerprint, self.chunk_size = layout, fingerprint, chunk_size
         self.kv_rank = kv_rank
         self.config = config
-        adapters = []
-        if config.disk_path:
-            from lmcache.v1.distributed.l2_adapters.fs_native_l2_adapter import (
-                FSNativeL2AdapterConfig)
-            disk = FSNativeL2AdapterConfig(base_path=config.disk_path, num_workers=4,
-                                           max_capacity_gb=config.disk_gb)
-            if config.disk_gb:
-                disk.eviction_config = cfg.EvictionConfig(eviction_policy="LRU")
-            adapters.append(disk)
-        from lmcache.v1.distributed.l2_adapters.config import L2AdaptersConfig
+        from lmcache.v1.distributed.l2_adapters import config as l2
+
+        # The same parser as `lmcache server --l2-adapter JSON`.
+        l2_config = l2.parse_args_to_l2_adapters_config(argparse.Namespace(**{
+            l2._L2_ADAPTER_ARG_DEST: [json.dumps(d) for d in config.adapter_specs()]}))
 
         self._sm = StorageManager(cfg.StorageManagerConfig(
             l1_manager_config=cfg.L1ManagerConfig(memory_config=cfg.L1MemoryManagerConfig(
                 size_in_bytes=config.cpu_bytes, use_lazy=False, shm_name="")),
             eviction_config=cfg.EvictionConfig(eviction_policy=config.eviction_policy),
-            l2_adapter_config=L2AdaptersConfig(adapters=adapters)))
+            l2_adapter_config=l2_config))
         self._layouts = {g.group_id: api.MemoryLayoutDesc(
             shapes=[torch.Size(g.chunk_shape(chunk_size))], dtypes=[g.dtype])
             for g in layout.groups}
@@ -94,7 +104,7 @@ class ChunkStore:
         """Indices of `keys` resident in L1 (pulled up from disk first when there is one)."""
         if not keys:
             return set()
-        skip_l2 = not self.config.disk_path
+        skip_l2 = not self.config.adapter_specs()
         handle = self._sm.submit_prefetch_task(self._spec(group_id, keys, lock), skip_l2=skip_l2)
         if not skip_l2:
             self._sm.wait_prefetch_status(handle, self.config.lookup_timeout_s)
