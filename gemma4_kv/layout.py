@@ -40,11 +40,6 @@ class PagedStrides:
     kernel_block_size: int
     kernel_block: int
 
-    def token_offset(self, token: int) -> int:
-        """Element offset of token `token` (0..block_size-1) inside its block."""
-        piece, row = divmod(token, self.kernel_block_size)
-        return piece * self.kernel_block + row * self.token
-
 
 @dataclass(frozen=True)
 class KVGroup:
@@ -93,9 +88,6 @@ class KVGroup:
                 f"got {self.head_size} and {self.head_size_v}")
         return (2, len(self.layers), num_tokens, self.num_kv_heads * self.head_size)
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.block_size)
-
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -117,12 +109,6 @@ class KVLayout:
     @property
     def aliases(self) -> dict[str, str]:
         return {layer: owner for g in self.groups for layer, owner in g.aliases}
-
-    def group_of(self, layer: str) -> KVGroup | None:
-        for g in self.groups:
-            if layer in g.layers:
-                return g
-        return None
 
     def geometry(self) -> tuple:
         """What a stored chunk depends on: kinds, windows, block sizes, shapes, dtype.

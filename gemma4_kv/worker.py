@@ -20,7 +20,7 @@ from .keys import fingerprint
 from .layout import from_vllm
 from .lookup import LookupServer, socket_path
 from .metadata import Gemma4KVMetadata, LoadRequest, SaveRequest
-from .plan import load_blocks, max_servable_hit, needed_chunks, save_blocks
+from .plan import ChunkBlocks, load_blocks, max_servable_hit, needed_chunks, save_blocks
 from .settings import ConnectorSettings
 from .store import ChunkStore
 from .transfer import Transfer
@@ -59,6 +59,7 @@ class ConnectorWorker:
         self.store = ChunkStore(self.layout, self.fingerprint, self.chunk_size,
                                 self.settings.store_config(), kv_rank=rank)
         self.transfer = Transfer(device, self.settings.num_programs)
+        self._warm_up()
         engine_id = self.vllm_config.kv_transfer_config.engine_id
         self.server = LookupServer(socket_path(engine_id, rank),
                                    {"lookup": self.lookup, "release": self.release})
@@ -72,6 +73,26 @@ class ConnectorWorker:
                                                for g in self.layout.groups]}) + "\n")
         logger.info("gemma4-kv: %d groups, fingerprint %s, store %.1f GiB",
                     len(self.layout.groups), self.fingerprint, self.settings.cpu_gb)
+
+    def _warm_up(self) -> None:
+        """Compile the kernels now rather than in the first hit's TTFT (0.4 s measured
+        on the H200): gather the null block into scratch objects and scatter the same
+        bytes back, once with 1 and once with 8 moves (Triton specialises on sizes)."""
+        if not self.transfer.cuda:
+            return
+        try:
+            for g in self.layout.groups:
+                caches = self.caches[g.group_id]
+                for n in (1, min(8, self.chunk_size // g.block_size)):
+                    plan = [ChunkBlocks(g.group_id, 0, tuple(range(n)), (0,) * n)]
+                    obj = torch.empty(g.chunk_shape(self.chunk_size), dtype=g.dtype,
+                                      pin_memory=True)
+                    self.transfer.save(g, caches, [obj], plan)
+                    self.transfer.fence().synchronize()
+                    self.transfer.load(g, caches, [obj], plan)
+            torch.cuda.synchronize()
+        except Exception:  # a slower first hit is no reason to refuse to start
+            logger.exception("gemma4-kv: kernel warm-up failed")
 
     # -- lookup service (called from the scheduler through `LookupServer`) -------------
     def lookup(self, req_id: str, hashes: list[bytes], start: int) -> int:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from collections import Counter
 
-from gemma4_kv.harness import save_config, tiny_assistant_config, tiny_gemma4_config  # noqa: F401
+from gemma4_kv.harness import save_config, tiny_assistant_config, tiny_gemma4_config
 from gemma4_kv.hf_layout import hf_layout
 from gemma4_kv.keys import chunk_hashes
 from gemma4_kv.plan import max_servable_hit, needed_blocks
@@ -98,3 +98,18 @@ def check_against_plan(cfg, events, out, base, *, dtype, block_size, assistant=N
     assert sum(saved.values()) == len({h for p in prompts() for h in chunk_hashes(p, CHUNK)})
 
 
+
+
+def run_mtp_case(tmp_path, *, engine, check):
+    """Target + Gemma 4 MTP assistant, with and without the connector."""
+    cfg = tiny_gemma4_config(window=100)
+    model = save_config(cfg, tmp_path / "model")
+    assistant = save_config(tiny_assistant_config(cfg), tmp_path / "assistant")
+    spec_cfg = {"method": "mtp", "model": assistant, "num_speculative_tokens": 1}
+    base, _ = run_engine(tmp_path, "base", model, connector=False, engine=engine,
+                         spec_cfg=spec_cfg)
+    out, events = run_engine(tmp_path, "conn", model, connector=True, engine=engine,
+                             spec_cfg=spec_cfg)
+    check_against_plan(cfg, events, out, base, assistant=tiny_assistant_config(cfg).text_config,
+                       **check)
+    return base, out

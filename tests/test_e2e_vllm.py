@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from e2e_common import (check_against_plan, run_engine, save_config, tiny_assistant_config,
+from e2e_common import (check_against_plan, run_engine, run_mtp_case, save_config,
                         tiny_gemma4_config)
 
 pytest.importorskip("vllm")
@@ -31,13 +31,4 @@ def test_connector_matches_recomputation(tmp_path, variant):
 
 
 def test_connector_with_mtp_assistant(tmp_path):
-    cfg = tiny_gemma4_config(window=WINDOW)
-    model = save_config(cfg, tmp_path / "model")
-    assistant = save_config(tiny_assistant_config(cfg), tmp_path / "assistant")
-    spec_cfg = {"method": "mtp", "model": assistant, "num_speculative_tokens": 1}
-    base, _ = run_engine(tmp_path, "base", model, connector=False, engine=ENGINE,
-                         spec_cfg=spec_cfg)
-    out, events = run_engine(tmp_path, "conn", model, connector=True, engine=ENGINE,
-                             spec_cfg=spec_cfg)
-    check_against_plan(cfg, events, out, base, assistant=tiny_assistant_config(cfg).text_config,
-                       **CHECK)
+    run_mtp_case(tmp_path, engine=ENGINE, check=CHECK)

@@ -14,7 +14,7 @@ SHAPES = ["gemma4-31b-like", "gemma4-12b-like", "gemma4-e4b-like", "gemma4-e2b-l
 
 def vllm_groups(text_config, dtype, block_size):
     """Groups from vLLM's own planner for the specs these layers register."""
-    vllm = pytest.importorskip("vllm")
+    pytest.importorskip("vllm")
     from vllm.config import CacheConfig, VllmConfig
     from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
