@@ -61,6 +61,14 @@ def _lmcache():
     return api, config, StorageManager
 
 
+def object_layouts(layout: KVLayout, chunk_size: int) -> dict:
+    """LMCache's description of each group's object: one KV_2LTD tensor."""
+    api, _, _ = _lmcache()
+    return {g.group_id: api.MemoryLayoutDesc(shapes=[torch.Size(g.chunk_shape(chunk_size))],
+                                            dtypes=[g.dtype])
+            for g in layout.groups}
+
+
 class ChunkStore:
     """KV_2LTD objects per (chunk, group) in an in-process LMCache storage manager."""
 
@@ -82,9 +90,7 @@ class ChunkStore:
                 size_in_bytes=config.cpu_bytes, use_lazy=False, shm_name="")),
             eviction_config=cfg.EvictionConfig(eviction_policy=config.eviction_policy),
             l2_adapter_config=l2_config))
-        self._layouts = {g.group_id: api.MemoryLayoutDesc(
-            shapes=[torch.Size(g.chunk_shape(chunk_size))], dtypes=[g.dtype])
-            for g in layout.groups}
+        self._layouts = object_layouts(layout, chunk_size)
         self._reserved: dict[bytes, list] = {}
 
     # -- keys -------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 
 from gemma4_kv.keys import chunk_hashes, fingerprint
 from gemma4_kv.layout import AttentionKind, KVGroup, KVLayout
-from gemma4_kv.store import ChunkStore, StoreConfig
+from gemma4_kv.store import ChunkStore, StoreConfig, object_layouts
 from paged import bits, random_bits
 
 CHUNK = 32
@@ -127,3 +127,19 @@ def test_disk_tier_brings_back_evicted_objects(tmp_path):
         s.release(keys)
     finally:
         s.close()
+
+
+def test_object_of_unexpected_shape_is_never_read(store):
+    """Same key, other geometry (as if the fingerprint had collided): a miss, not a load."""
+    gen = torch.Generator().manual_seed(5)
+    h = chunk_hashes(list(range(CHUNK)), CHUNK)[0]
+    put(store, h, gen)
+    wider = KVLayout((KVGroup(0, AttentionKind.SLIDING, 48, 16, 4, 16, 16, torch.bfloat16,
+                              ("a", "b")), LAYOUT.groups[1]))
+    other = ChunkStore.__new__(ChunkStore)
+    other.__dict__.update(store.__dict__)
+    other._layouts = object_layouts(wider, CHUNK)
+    keys = [(h, 0), (h, 1)]
+    assert other.lock(keys)
+    assert other.read(keys) is None
+    other.release(keys)
