@@ -70,9 +70,10 @@ def test_other_fingerprint_never_hits(store):
     assert fingerprint(other, model="tiny", chunk_size=CHUNK) != FP
     assert fingerprint(LAYOUT, model="tiny", chunk_size=CHUNK, tp_rank=1, tp_size=2) != FP
     assert fingerprint(LAYOUT, model="other", chunk_size=CHUNK) != FP
-    s2 = ChunkStore(other, fingerprint(other, model="tiny", chunk_size=CHUNK), CHUNK,
-                    StoreConfig(cpu_bytes=1 << 20))
-    s2._sm = store._sm  # same LMCache storage, another model's keys
+    s2 = ChunkStore.__new__(ChunkStore)  # same LMCache storage, another layout's keys
+    s2.__dict__.update(store.__dict__)
+    s2.layout, s2.fingerprint = other, fingerprint(other, model="tiny", chunk_size=CHUNK)
+    s2._layouts = object_layouts(other, CHUNK)
     assert s2.present([h]) == {0: set(), 1: set()}
 
 
