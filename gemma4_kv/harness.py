@@ -6,6 +6,7 @@ vLLM's engine processes start from a clean `__main__`:
     python -m gemma4_kv.harness SPEC.json OUT.json
 
 SPEC: {"model": dir, "prompts": [[token ids], ...], "connector": bool,
+       "connector_class"/"connector_module": another connector (tests),
        "extra_config": {...}, "engine": {extra vllm.LLM kwargs}, "max_tokens": 8,
        "speculative_config": {...} | null}
 OUT:  {"outputs": [[token ids]], "cached": [num_cached_tokens], "ttft": [s], ...}
@@ -84,8 +85,8 @@ def run(spec: dict) -> dict:
         kwargs["disable_log_stats"] = False  # for the draft acceptance counters
     if spec.get("connector"):
         kwargs["kv_transfer_config"] = {
-            "kv_connector": "Gemma4KVConnector",
-            "kv_connector_module_path": "gemma4_kv.connector",
+            "kv_connector": spec.get("connector_class", "Gemma4KVConnector"),
+            "kv_connector_module_path": spec.get("connector_module", "gemma4_kv.connector"),
             "kv_role": spec.get("kv_role", "kv_both"),
             "kv_connector_extra_config": spec.get("extra_config", {}),
         }

@@ -34,16 +34,21 @@ def prompts():
     ]
 
 
-def run_engine(tmp_path, name, model, *, connector, engine, extra=None, spec_cfg=None):
+def run_engine(tmp_path, name, model, *, connector, engine, extra=None, spec_cfg=None,
+               connector_class=None):
     stats = tmp_path / f"{name}.stats.jsonl"
     spec = {"model": model, "prompts": prompts(), "connector": connector, "max_tokens": 6,
             "engine": {"enforce_eager": True, "max_model_len": 4096, **engine},
             "extra_config": {"cpu_gb": 0.25, "stats_file": str(stats), **(extra or {})},
             "speculative_config": spec_cfg}
+    if connector_class:
+        spec.update(connector_class=connector_class, connector_module="broken_connector")
     spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONHASHSEED="0",
-               VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
+               VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
+               PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "gemma4_kv.harness", str(spec_path),
                            str(out_path)], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

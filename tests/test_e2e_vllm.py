@@ -28,6 +28,15 @@ def test_connector_matches_recomputation(tmp_path, variant):
     base, _ = run_engine(tmp_path, "base", model, connector=False, engine=engine)
     out, events = run_engine(tmp_path, "conn", model, connector=True, engine=engine)
     check_against_plan(cfg, events, out, base, **CHECK)
+    if not shared:
+        return
+    # Negative control: the same hits with the blocks left unfilled must change tokens,
+    # so the comparison above can fail.
+    broken, _ = run_engine(tmp_path, "broken", model, connector=True, engine=engine,
+                           connector_class="SkipLoadConnector")
+    assert broken["cached"] == out["cached"]
+    hits = [i for i, c in enumerate(out["cached"]) if c]
+    assert any(broken["outputs"][i] != base["outputs"][i] for i in hits)
 
 
 def test_connector_with_mtp_assistant(tmp_path):
