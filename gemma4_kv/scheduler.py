@@ -34,6 +34,13 @@ class ConnectorScheduler:
         self.layout = from_vllm(kv_cache_config)
         self.chunk_size = settings.chunk_size
         check_chunk_size(self.layout, self.chunk_size)
+        for g in self.layout.groups:
+            if g.window is not None and g.window < self.chunk_size:
+                logger.warning(
+                    "gemma4-kv: sliding window %d < chunk size %d: under chunked prefill, "
+                    "a chunk that spans a step boundary loses early sliding blocks before "
+                    "it completes and is not stored; a chunk_size <= %d avoids it",
+                    g.window, self.chunk_size, g.window)
         ktc = vllm_config.kv_transfer_config
         self.can_load, self.can_save = ktc.is_kv_consumer, ktc.is_kv_producer
         world = vllm_config.parallel_config.tensor_parallel_size
