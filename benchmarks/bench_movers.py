@@ -191,7 +191,7 @@ def batched_dma(case, d):
 
 
 def lmcache_kernels(case, d):
-    import lmcache.cuda_ops  # noqa: F401  (the compiled CUDA kernels of the wheel)
+    import lmcache.cuda_ops  # noqa: F401,F811  (the compiled CUDA kernels of the wheel)
     raise RuntimeError("lmcache.cuda_ops imported, but no driver for it is written")
 
 
@@ -289,7 +289,7 @@ def matmul_slowdown(run, transfer_s):
     return alone, e0.elapsed_time(e1) / n
 
 
-def measure(shape, tokens, gen, interference):
+def measure(shape, tokens, gen, interference, sink):
     case = Case(shape, tokens, gen)
     refs = reference_objects(case)
     movers = {"ceiling": lambda d: ceiling(case, d),
@@ -298,10 +298,10 @@ def measure(shape, tokens, gen, interference):
               "batched_dma": lambda d: batched_dma(case, d),
               "lmcache": lambda d: lmcache_kernels(case, d),
               "ours_staged": lambda d: ours_staged(case, d),
-              "ours_device": lambda d: ours(case, d, 132, "dev")}
+              "ours_device": lambda d: ours(case, d, 132, "dev"),
+              "ours_device_528": lambda d: ours(case, d, 528, "dev")}
     for p in (8, 32, 132):
         movers[f"ours_direct_{p}"] = (lambda p: lambda d: ours(case, d, p, "host"))(p)
-    rows = []
     for name, make in movers.items():
         if name == "per_block" and tokens > 8192:
             continue  # thousands of tiny copies: minutes at 16K+, and far off anyway
@@ -309,7 +309,7 @@ def measure(shape, tokens, gen, interference):
             row = dict(shape=shape, tokens=tokens, mover=name, direction=d, bytes=case.bytes)
             try:
                 run = make(d)
-                if name == "ours_device":
+                if name.startswith("ours_device"):
                     row["exact"] = (check_d2h(case, run, refs, "dev") if d == "d2h" else None)
                 elif name not in ("ceiling", "per_block", "batched_dma"):
                     row["exact"] = (check_d2h(case, run, refs) if d == "d2h"
@@ -323,10 +323,8 @@ def measure(shape, tokens, gen, interference):
                                matmul_slowdown_pct=100 * (beside / alone - 1))
             except Exception as e:  # report, never hide: a mover that cannot run
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            sink(row)
     case.free()
-    return rows
 
 
 def d2d_ceiling():
@@ -358,14 +356,19 @@ def main(argv=None):
                 triton=triton.__version__, date=time.strftime("%Y-%m-%d"),
                 command="python benchmarks/bench_movers.py " + " ".join(sys.argv[1:]))
     meta["d2d_gbps"] = d2d_ceiling()
-    rows = []
+    result = dict(meta=meta, rows=[])
+
+    def sink(row):  # keep what was measured even if the run is cut short
+        print(json.dumps(row), flush=True)
+        result["rows"].append(row)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
     for shape in SHAPES:
         for t in map(int, args.tokens.split(",")):
             if shape == "31b-like" and t > 16384:
                 continue  # 29.5 GB of KV at 32K: beyond what one call can move many times
-            rows += measure(shape, t, gen, interference=(t == 8192))
+            measure(shape, t, gen, interference=(t == 8192), sink=sink)
     meta["staged_gather_s_31b_8k"] = staged_gather_time("31b-like", 8192, gen)
-    result = dict(meta=meta, rows=rows)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print_table(result)
     if args.plot:
