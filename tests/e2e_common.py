@@ -79,7 +79,9 @@ def check_against_plan(cfg, events, out, base, *, dtype, block_size, assistant=N
          [a for a, _ in g.aliases if not a.startswith("draft_model.") or assistant])
         for g in layout.groups]
 
-    assert out["outputs"] == base["outputs"], "greedy tokens differ from recomputation"
+    differing = [(i, hits_i, a, b) for i, (hits_i, a, b) in
+                 enumerate(zip(out["cached"], out["outputs"], base["outputs"])) if a != b]
+    assert not differing, f"greedy tokens differ from recomputation: {differing}"
     hits = expected_hits(layout)
     assert out["cached"] == hits
     assert base["cached"] == [0] * len(hits)
