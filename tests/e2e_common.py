@@ -35,9 +35,10 @@ def prompts():
 
 
 def run_engine(tmp_path, name, model, *, connector, engine, extra=None, spec_cfg=None,
-               connector_class=None):
+               connector_class=None, role="kv_both"):
     stats = tmp_path / f"{name}.stats.jsonl"
     spec = {"model": model, "prompts": prompts(), "connector": connector, "max_tokens": 6,
+            "kv_role": role,
             "engine": {"enforce_eager": True, "max_model_len": 4096, **engine},
             "extra_config": {"cpu_gb": 0.25, "stats_file": str(stats), **(extra or {})},
             "speculative_config": spec_cfg}

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from e2e_common import (check_against_plan, run_engine, run_mtp_case, save_config,
-                        tiny_gemma4_config)
+from e2e_common import (CHUNK, check_against_plan, prompts, run_engine, run_mtp_case,
+                        save_config, tiny_gemma4_config)
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -37,6 +37,22 @@ def test_connector_matches_recomputation(tmp_path, variant):
     assert broken["cached"] == out["cached"]
     hits = [i for i, c in enumerate(out["cached"]) if c]
     assert any(broken["outputs"][i] != base["outputs"][i] for i in hits)
+
+
+def test_second_engine_reuses_kv_from_the_disk_tier(tmp_path):
+    """A kv_producer engine stores through LMCache's disk tier; a fresh kv_consumer
+    engine (another process, empty CPU tier) serves its hits from there."""
+    cfg = tiny_gemma4_config(window=WINDOW)
+    model = save_config(cfg, tmp_path / "model")
+    disk = {"disk_path": str(tmp_path / "disk")}
+    producer, _ = run_engine(tmp_path, "producer", model, connector=True, engine=ENGINE,
+                             extra=disk, role="kv_producer")
+    consumer, events = run_engine(tmp_path, "consumer", model, connector=True, engine=ENGINE,
+                                  extra=disk, role="kv_consumer")
+    assert producer["cached"] == [0] * len(prompts())
+    assert consumer["cached"] == [(len(p) - 1) // CHUNK * CHUNK for p in prompts()]
+    assert consumer["outputs"] == producer["outputs"]
+    assert not [e for e in events if e["event"] == "save"]
 
 
 def test_connector_with_mtp_assistant(tmp_path):
