@@ -47,21 +47,30 @@ def load_text_config(path: str | Path):
     return transformers.Gemma4TextConfig(**data)
 
 
+def _owning_types(text_config) -> list[str]:
+    """Types of the layers that own KV: all but the last `num_kv_shared_layers`."""
+    shared = getattr(text_config, "num_kv_shared_layers", 0) or 0
+    return list(text_config.layer_types)[:text_config.num_hidden_layers - shared]
+
+
+def _last_owner(owning_types: list[str], layer_type: str) -> int:
+    """The last layer of `layer_type` that owns KV: what vLLM's Gemma 4 KV-shared layers
+    and MTP draft layers read (`kv_sharing_target_layer_name`)."""
+    return len(owning_types) - 1 - owning_types[::-1].index(layer_type)
+
+
 def layer_specs(text_config, *, dtype: torch.dtype = torch.bfloat16, block_size: int = 16,
                 tp_size: int = 1, prefix: str = "model.layers"
                 ) -> tuple[dict[str, LayerSpec], dict[str, str]]:
     """Per-layer specs of the layers that own KV, and KV-shared layer -> target layer."""
-    n = text_config.num_hidden_layers
-    first_shared = n - (getattr(text_config, "num_kv_shared_layers", 0) or 0)
     types = list(text_config.layer_types)
+    owning = _owning_types(text_config)
     specs: dict[str, LayerSpec] = {}
     shared: dict[str, str] = {}
-    for i in range(n):
+    for i in range(text_config.num_hidden_layers):
         name = f"{prefix}.{i}.self_attn.attn"
-        if i >= first_shared > 0:
-            before = types[:first_shared]
-            target = len(before) - 1 - before[::-1].index(types[i])
-            shared[name] = f"{prefix}.{target}.self_attn.attn"
+        if i >= len(owning):
+            shared[name] = f"{prefix}.{_last_owner(owning, types[i])}.self_attn.attn"
             continue
         per_layer = text_config.per_layer_config[i]
         heads = per_layer.num_key_value_heads
@@ -80,14 +89,10 @@ def assistant_aliases(text_config, assistant_config, *, prefix: str = "model.lay
                       draft_prefix: str = "draft_model.layers") -> dict[str, str]:
     """Gemma 4 MTP assistants own no KV: each draft layer reads the last target layer
     of its attention type (`vllm/model_executor/models/gemma4_mtp.py`)."""
-    n = text_config.num_hidden_layers
-    first_shared = n - (getattr(text_config, "num_kv_shared_layers", 0) or 0)
-    owning = list(text_config.layer_types)[:first_shared]
-    out = {}
-    for j, t in enumerate(assistant_config.layer_types):
-        target = len(owning) - 1 - owning[::-1].index(t)
-        out[f"{draft_prefix}.{j}.self_attn.attn"] = f"{prefix}.{target}.self_attn.attn"
-    return out
+    owning = _owning_types(text_config)
+    return {f"{draft_prefix}.{j}.self_attn.attn":
+            f"{prefix}.{_last_owner(owning, t)}.self_attn.attn"
+            for j, t in enumerate(assistant_config.layer_types)}
 
 
 def unify_page_sizes(specs: dict[str, LayerSpec]) -> dict[str, LayerSpec]:

@@ -54,6 +54,14 @@ def needed_chunks(group: KVGroup, start: int, hit_len: int, chunk_size: int) -> 
     return range(blocks.start // per_chunk, (blocks.stop - 1) // per_chunk + 1)
 
 
+def hit_chunks(layout: KVLayout, start: int, hit: int, chunk_size: int) -> list[tuple[int, int]]:
+    """(group id, chunk) of every stored object a hit of `hit` tokens after a local
+    prefix of `start` tokens needs: full groups every chunk from `start`, sliding
+    groups only those overlapping their window."""
+    return [(g.group_id, c) for g in layout.groups
+            for c in needed_chunks(g, start - start % g.block_size, hit, chunk_size)]
+
+
 def max_servable_hit(layout: KVLayout, chunk_size: int, max_chunks: int,
                      present: Callable[[int, int], bool], start: int = 0) -> int:
     """Largest hit length (in whole chunks) every group can serve from the store.
@@ -64,11 +72,9 @@ def max_servable_hit(layout: KVLayout, chunk_size: int, max_chunks: int,
     """
     check_chunk_size(layout, chunk_size)
     first_chunk = start // chunk_size
-    for n in range(max_chunks, first_chunk, -1):
+    for n in range(max_chunks, first_chunk, -1):  # every hit here is above `start`
         hit = n * chunk_size
-        lo = min(start, hit)
-        if all(present(g.group_id, c) for g in layout.groups
-               for c in needed_chunks(g, lo - lo % g.block_size, hit, chunk_size)):
+        if all(present(g, c) for g, c in hit_chunks(layout, start, hit, chunk_size)):
             return hit
     return 0
 

@@ -20,7 +20,7 @@ from .keys import fingerprint
 from .layout import from_vllm
 from .lookup import LookupServer, socket_path
 from .metadata import Gemma4KVMetadata, LoadRequest, SaveRequest
-from .plan import ChunkBlocks, load_blocks, max_servable_hit, needed_chunks, save_blocks
+from .plan import ChunkBlocks, hit_chunks, load_blocks, max_servable_hit, save_blocks
 from .settings import ConnectorSettings
 from .store import ChunkStore
 from .transfer import Transfer
@@ -110,9 +110,8 @@ class ConnectorWorker:
                                    lambda g, c: c in present[g], start)
             if hit <= start:
                 return 0
-            keys = [(hashes[c], g.group_id) for g in self.layout.groups
-                    for c in needed_chunks(g, start - start % g.block_size, hit,
-                                           self.chunk_size)]
+            keys = [(hashes[c], g) for g, c in hit_chunks(self.layout, start, hit,
+                                                          self.chunk_size)]
             if not self.store.lock(keys):
                 return 0
             self._pinned[req_id] = keys
