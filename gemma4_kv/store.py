@@ -82,8 +82,10 @@ class ChunkStore:
         from lmcache.v1.distributed.l2_adapters import config as l2
 
         # The same parser as `lmcache server --l2-adapter JSON`.
+        adapters = config.adapter_specs()
+        self._has_l2 = bool(adapters)
         l2_config = l2.parse_args_to_l2_adapters_config(argparse.Namespace(**{
-            l2._L2_ADAPTER_ARG_DEST: [json.dumps(d) for d in config.adapter_specs()]}))
+            l2._L2_ADAPTER_ARG_DEST: [json.dumps(d) for d in adapters]}))
 
         self._sm = StorageManager(cfg.StorageManagerConfig(
             l1_manager_config=cfg.L1ManagerConfig(memory_config=cfg.L1MemoryManagerConfig(
@@ -110,9 +112,9 @@ class ChunkStore:
         """Indices of `keys` resident in L1 (pulled up from disk first when there is one)."""
         if not keys:
             return set()
-        skip_l2 = not self.config.adapter_specs()
-        handle = self._sm.submit_prefetch_task(self._spec(group_id, keys, lock), skip_l2=skip_l2)
-        if not skip_l2:
+        handle = self._sm.submit_prefetch_task(self._spec(group_id, keys, lock),
+                                               skip_l2=not self._has_l2)
+        if self._has_l2:
             self._sm.wait_prefetch_status(handle, self.config.lookup_timeout_s)
         result = self._sm.query_prefetch_status(handle)
         return set(result.hit_cells[0].get_indices_list()) if result else set()
