@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from gemma4_kv.cli import bundled_config
+from gemma4_kv.harness import connector_config, shim_kwargs
 from gemma4_kv.hf_layout import hf_layout, load_text_config
 
 
@@ -46,17 +47,9 @@ def main(argv=None):
                   seed=0, enforce_eager=True, max_model_len=max(lengths) + 1024,
                   max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
                   enable_prefix_caching=True,
-                  kv_transfer_config={"kv_connector": "Gemma4KVConnector",
-                                      "kv_connector_module_path": "gemma4_kv.connector",
-                                      "kv_role": "kv_both",
-                                      "kv_connector_extra_config": {"cpu_gb": args.cpu_gb,
-                                                                    "stats_file": str(stats)}})
-    try:
-        import vllm_c_shim
-
-        kwargs.update(vllm_c_shim.engine_kwargs())
-    except ImportError:
-        pass
+                  kv_transfer_config=connector_config({"cpu_gb": args.cpu_gb,
+                                                       "stats_file": str(stats)}))
+    kwargs.update(shim_kwargs())
     t = time.perf_counter()
     llm = LLM(**kwargs)
     startup = time.perf_counter() - t

@@ -76,15 +76,15 @@ def main(argv=None) -> int:
 
     from vllm import LLM, SamplingParams
 
+    from .harness import connector_config, shim_kwargs
+
     kwargs = dict(model=model, skip_tokenizer_init=True, seed=0, enforce_eager=True,
                   disable_log_stats=False,  # per-request TTFT in RequestOutput.metrics
                   max_model_len=args.tokens + 1024, enable_prefix_caching=False,
                   dtype="bfloat16" if cuda else "float32",
-                  kv_transfer_config={"kv_connector": "Gemma4KVConnector",
-                                      "kv_connector_module_path": "gemma4_kv.connector",
-                                      "kv_role": "kv_both",
-                                      "kv_connector_extra_config": {"cpu_gb": args.cpu_gb,
-                                                                    "stats_file": str(stats)}})
+                  kv_transfer_config=connector_config({"cpu_gb": args.cpu_gb,
+                                                       "stats_file": str(stats)}))
+    kwargs.update(shim_kwargs())
     if not args.model:
         kwargs["load_format"] = "dummy"
     if cuda:

@@ -68,28 +68,39 @@ def save_config(cfg, path: str | Path) -> str:
     return str(path)
 
 
+def connector_config(extra: dict, *, role: str = "kv_both",
+                     connector: str = "Gemma4KVConnector",
+                     module: str = "gemma4_kv.connector") -> dict:
+    """vLLM's `kv_transfer_config` that loads this connector."""
+    return {"kv_connector": connector, "kv_connector_module_path": module, "kv_role": role,
+            "kv_connector_extra_config": extra}
+
+
+def shim_kwargs() -> dict:
+    """Engine arguments of the vLLM-without-compiled-ops recipe (shared/gpu-vllm) when it
+    is in use on a GPU machine; nothing elsewhere."""
+    try:
+        import vllm_c_shim
+    except ImportError:
+        return {}
+    return vllm_c_shim.engine_kwargs()
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     kwargs = dict(model=spec["model"], load_format="dummy", skip_tokenizer_init=True,
                   seed=0, enable_prefix_caching=False)
-    try:  # vLLM's Python code on a GPU machine without its compiled ops (shared/gpu-vllm)
-        import vllm_c_shim
-
-        kwargs.update(vllm_c_shim.engine_kwargs())
-    except ImportError:
-        pass
+    kwargs.update(shim_kwargs())
     kwargs.update(spec.get("engine", {}))
     if spec.get("speculative_config"):
         kwargs["speculative_config"] = spec["speculative_config"]
         kwargs["disable_log_stats"] = False  # for the draft acceptance counters
     if spec.get("connector"):
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": spec.get("connector_class", "Gemma4KVConnector"),
-            "kv_connector_module_path": spec.get("connector_module", "gemma4_kv.connector"),
-            "kv_role": spec.get("kv_role", "kv_both"),
-            "kv_connector_extra_config": spec.get("extra_config", {}),
-        }
+        kwargs["kv_transfer_config"] = connector_config(
+            spec.get("extra_config", {}), role=spec.get("kv_role", "kv_both"),
+            connector=spec.get("connector_class", "Gemma4KVConnector"),
+            module=spec.get("connector_module", "gemma4_kv.connector"))
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     startup = time.perf_counter() - t0
