@@ -71,13 +71,13 @@ class Case:
 
 
 # -- movers: each returns a callable doing one full transfer in direction d -----------
-def ours(case, d, programs, where):
+def ours(case, d, programs, where, **launch):
+    """Our kernel over every group; `where` is "host" (pinned) or "dev" objects."""
     def run():
         for x in case.groups:
-            chunks = list(x["host"] if where == "host" else x["dev"])
-            copy_blocks(x["caches"], chunks, x["ids"], x["chunk_index"], x["slots"],
+            copy_blocks(x["caches"], list(x[where]), x["ids"], x["chunk_index"], x["slots"],
                         block_size=x["g"].block_size, head_size=x["g"].head_size,
-                        to_chunk=d == "d2h", num_programs=programs)
+                        to_chunk=d == "d2h", num_programs=programs, **launch)
     return run
 
 

@@ -12,18 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_movers import Case, time_it  # noqa: E402
-from gemma4_kv.kernels import copy_blocks  # noqa: E402
-
-
-def run(case, where, d, programs, tile, warps):
-    def go():
-        for x in case.groups:
-            copy_blocks(x["caches"], list(x[where]), x["ids"], x["chunk_index"], x["slots"],
-                        block_size=x["g"].block_size, head_size=x["g"].head_size,
-                        to_chunk=d == "d2h", num_programs=programs, tile_bytes=tile,
-                        num_warps=warps)
-    return go
+from bench_movers import Case, ours, time_it  # noqa: E402
 
 
 def main():
@@ -35,7 +24,8 @@ def main():
                 for warps in (4, 8):
                     if where == "host" and programs != 132:
                         continue
-                    sec, _ = time_it(run(case, where, d, programs, tile, warps), budget_s=0.5)
+                    sec, _ = time_it(ours(case, d, programs, where, tile_bytes=tile,
+                                             num_warps=warps), budget_s=0.5)
                     r = dict(where=where, dir=d, programs=programs, tile=tile, warps=warps,
                              ms=sec * 1e3, gbps=case.bytes / sec / 1e9)
                     rows.append(r)
