@@ -126,6 +126,32 @@ def scatter(group: KVGroup, caches: Sequence[torch.Tensor], chunks: Sequence[tor
     _move(group, caches, chunks, moves, num_programs, to_chunk=False)
 
 
+def scatter_by_layer(group: KVGroup, caches: Sequence[torch.Tensor],
+                     chunks: Sequence[torch.Tensor], moves: BlockMoves,
+                     num_programs: int | None = None):
+    """Chunk objects -> caches, one layer at a time: returns `load(position)` that
+    queues layer `caches[position]`'s copy on the current stream. Without the Triton
+    kernel, the first call scatters every layer."""
+    if not len(moves):
+        return lambda position: None
+    if not _use_triton(caches, group):
+        done = []
+
+        def load_all(position: int) -> None:
+            if not done:
+                scatter(group, caches, chunks, moves)
+                done.append(position)
+        return load_all
+    from gemma4_kv.kernels import BlockCopy
+
+    _check(group, caches, chunks, moves)
+    kw = {} if num_programs is None else {"num_programs": num_programs}
+    copy = BlockCopy(caches, chunks, moves.block_ids, moves.chunk_index, moves.slots,
+                     block_size=group.block_size, head_size=group.head_size,
+                     to_chunk=False, **kw)
+    return lambda position: copy.launch(range(position, position + 1))
+
+
 def _move(group, caches, chunks, moves, num_programs, *, to_chunk: bool) -> None:
     if not len(moves):
         return

@@ -1,5 +1,5 @@
 """Triton kernels of gemma4-kv (installed as `gemma4_kv.kernels`)."""
 
-from .launch import copy_blocks
+from .launch import BlockCopy, copy_blocks
 
-__all__ = ["copy_blocks"]
+__all__ = ["BlockCopy", "copy_blocks"]

@@ -8,7 +8,8 @@ it may live in device memory or in pinned host memory (UVA: the kernel reads or
 writes it directly over PCIe).
 
 Work unit = (block move, K or V, layer): it copies `block_size * heads` rows of
-`head_size` contiguous elements. A persistent grid of `num_programs` programs strides
+`head_size` contiguous elements. A launch may move a range of the group's layers only
+(loads go layer by layer so the forward can start on the first layers). A persistent grid of `num_programs` programs strides
 over the units, so the SM budget is a launch argument. Elements are moved as
 integers of the same width: bit-exact for every dtype (fp8, bf16, fp16, fp32).
 Addresses are int64 element offsets from the first layer / first object, so the
@@ -26,12 +27,13 @@ TILE_BYTES = 16384
 NUM_WARPS = 8
 
 
-@triton.jit
+# Sizes that change from launch to launch are not specialised on (no recompiles).
+@triton.jit(do_not_specialize=["n_units", "first_layer", "moved_layers"])
 def copy_blocks_kernel(
     cache_base, layer_offsets,  # first layer's tensor; int64 [L] element offsets
     chunk_base, chunk_offsets,  # first chunk object; int64 [C] element offsets
     block_ids, chunk_index, slots,  # int64 [n]: block -> (chunk, block slot)
-    n_units, num_layers, chunk_tokens,
+    n_units, first_layer, moved_layers, num_layers, chunk_tokens,
     s_block, s_head, s_token, s_piece, piece_tokens,
     HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, TO_CHUNK: tl.constexpr, ALIGNED: tl.constexpr,
@@ -41,9 +43,9 @@ def copy_blocks_kernel(
     cols = tl.arange(0, HEAD_SIZE)
     r = tl.arange(0, BLOCK_ROWS)
     for unit in range(tl.program_id(0), n_units, tl.num_programs(0)):
-        move = unit // (2 * num_layers)
-        kv = (unit // num_layers) % 2
-        layer = unit % num_layers
+        move = unit // (2 * moved_layers)
+        kv = (unit // moved_layers) % 2
+        layer = first_layer + unit % moved_layers
         block = tl.load(block_ids + move)
         chunk = tl.load(chunk_index + move)
         slot = tl.load(slots + move)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from gemma4_kv.layout import AttentionKind, KVGroup
-from gemma4_kv.mover import BlockMoves, gather, scatter, torch_gather, torch_scatter
+from gemma4_kv.mover import (BlockMoves, gather, scatter, scatter_by_layer, torch_gather,
+                             torch_scatter)
 from paged import DTYPES, LAYOUTS, bits, make_paged, random_bits
 
 
@@ -111,6 +112,23 @@ def _triton(to_chunk):
     return fn
 
 
+def _triton_by_layer(group, caches, chunks, moves):
+    """The kernel launched one layer at a time, in a shuffled order (layer-wise loads)."""
+    from gemma4_kv.kernels import BlockCopy
+
+    copy = BlockCopy(caches, chunks, moves.block_ids, moves.chunk_index, moves.slots,
+                     block_size=group.block_size, head_size=group.head_size, to_chunk=False,
+                     num_programs=3)
+    for layer in torch.randperm(len(caches), generator=torch.Generator().manual_seed(1)):
+        copy.launch(range(int(layer), int(layer) + 1))
+
+
+def _scatter_by_layer(group, caches, chunks, moves):
+    load = scatter_by_layer(group, caches, chunks, moves, num_programs=5)
+    for layer in reversed(range(len(caches))):
+        load(layer)
+
+
 TRITON_CASES = ([(lay, torch.bfloat16, 1) for lay in sorted(LAYOUTS)]
                 + [("LBNHC", dt, 2) for dt in DTYPES] + [("BHLNC", torch.float8_e4m3fn, 2)])
 
@@ -123,6 +141,18 @@ def test_triton_kernel_cpu_interpreter(layout, dtype, pieces):
     run_case(layout, dtype, pieces, "cpu", _triton(True), _triton(False))
 
 
+@pytest.mark.parametrize("layout,dtype", [("LBNHC", torch.bfloat16), ("BHLNC", torch.float8_e4m3fn)],
+                         ids=str)
+def test_triton_kernel_by_layer_cpu_interpreter(layout, dtype):
+    if torch.cuda.is_available():
+        pytest.skip("covered by the CUDA tests on GPU machines")
+    run_case(layout, dtype, 2, "cpu", _triton(True), _triton_by_layer, layers=4)
+
+
+def test_reference_by_layer_scatters_everything_once():
+    run_case("LBNHC", torch.bfloat16, 1, "cpu", torch_gather, _scatter_by_layer)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -131,6 +161,15 @@ def test_triton_kernel_cpu_interpreter(layout, dtype, pieces):
 def test_triton_kernel_cuda(layout, dtype, chunk_device, block_size, head_size, pieces):
     run_case(layout, dtype, pieces, "cuda", gather, scatter, chunk_device=chunk_device,
              block_size=block_size, head_size=head_size, heads=2, layers=3, num_blocks=20)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_kernel_by_layer_cuda(layout, dtype):
+    """Layer-wise loads from pinned memory, as the connector runs them."""
+    run_case(layout, dtype, 2, "cuda", gather, _scatter_by_layer, chunk_device="pinned",
+             block_size=32, head_size=512, heads=2, layers=4, num_blocks=20)
 
 
 def test_reference_rejects_mismatched_chunk():
