@@ -61,7 +61,7 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.start_load_kv(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # start_load_kv finishes every load before the forward
+        self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
         return None  # whole chunks of all layers are stored in wait_for_save

@@ -8,20 +8,39 @@ CUDA:
   staging buffer at device bandwidth (a short burst of SM time), then a side stream
   copies each chunk object to the store's pinned memory by DMA (no SMs) while the
   model keeps computing. The objects are committed when the copy's event has fired.
-- load = direct: the kernel reads the needed blocks straight from the store's pinned
-  memory (UVA), so a sliding-window group moves only its window's blocks, in one pass
-  over PCIe. The forward waits for loads anyway, so all SMs may help.
+- load = direct, layer by layer: the kernel reads the needed blocks straight from the
+  store's pinned memory (UVA), so a sliding-window group moves only its window's
+  blocks, in one pass over PCIe. One launch per layer on a load stream, in the
+  forward's layer order, each followed by an event; the forward waits for a layer's
+  event just before that layer's attention, so the load of layer l+1 overlaps the
+  compute of layer l.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from .layout import KVGroup
-from .mover import BlockMoves, gather, scatter
+from .mover import BlockMoves, gather, scatter, scatter_by_layer
 from .plan import ChunkBlocks
+
+
+@dataclass
+class QueuedLoads:
+    """Loads queued layer by layer: `ready[i]` fires once entry i of the order (and all
+    before it) is in vLLM's cache; `done` once all are."""
+
+    ready: list
+    started: torch.cuda.Event
+    done: torch.cuda.Event
+
+    def seconds(self) -> float:
+        """GPU time from the first copy to the last (waits for them)."""
+        self.done.synchronize()
+        return self.started.elapsed_time(self.done) / 1e3
 
 
 class Transfer:
@@ -30,6 +49,8 @@ class Transfer:
         self.num_programs = num_programs
         self.cuda = device.type == "cuda"
         self.side_stream = torch.cuda.Stream(device) if self.cuda else None
+        # Separate from the save stream: a load must not queue behind earlier saves.
+        self.load_stream = torch.cuda.Stream(device) if self.cuda else None
 
     def load(self, group: KVGroup, caches: Sequence[torch.Tensor],
              objects: Sequence[torch.Tensor], plan: Sequence[ChunkBlocks]) -> None:
@@ -38,6 +59,32 @@ class Transfer:
             objects = [o.to(self.device, non_blocking=True) for o in objects]
         scatter(group, caches, objects, BlockMoves.from_chunks(plan, self.device),
                 self.num_programs)
+
+    def load_by_layer(self, loads: dict[int, tuple],
+                      order: Sequence[tuple[int, int]]) -> QueuedLoads:
+        """CUDA: queue the loads on the load stream one layer at a time.
+
+        `loads[group_id] = (group, caches, objects, plan)`; `order` lists (group id,
+        layer position) in the forward's order."""
+        self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
+        events = []
+        started = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.load_stream):
+            started.record()
+            layer_loaders = {}
+            for gid, (group, caches, objects, plan) in loads.items():
+                if not all(o.is_pinned() for o in objects):
+                    objects = [o.to(self.device, non_blocking=True) for o in objects]
+                layer_loaders[gid] = scatter_by_layer(
+                    group, caches, objects, BlockMoves.from_chunks(plan, self.device),
+                    self.num_programs)
+            for gid, position in order:
+                if gid in layer_loaders:
+                    layer_loaders[gid](position)
+                events.append(self.load_stream.record_event())
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+        return QueuedLoads(events, started, done)
 
     def save(self, group: KVGroup, caches: Sequence[torch.Tensor],
              objects: Sequence[torch.Tensor], plan: Sequence[ChunkBlocks]) -> list:
