@@ -63,17 +63,25 @@ def hit_chunks(layout: KVLayout, start: int, hit: int, chunk_size: int) -> list[
 
 
 def max_servable_hit(layout: KVLayout, chunk_size: int, max_chunks: int,
-                     present: Callable[[int, int], bool], start: int = 0) -> int:
-    """Largest hit length (in whole chunks) every group can serve from the store.
+                     present: Callable[[int, int], bool], start: int = 0,
+                     limit: int | None = None) -> int:
+    """Largest hit length every group can serve from the first `max_chunks` chunks.
 
     `present(group_id, chunk)` says whether that group's object for that chunk is
     stored. Full groups need every chunk from `start` on; sliding groups only the
-    chunks that overlap their window before the hit.
+    chunks that overlap their window before the hit. A hit never exceeds `limit` (a
+    multiple of every block size; vLLM must compute at least the last prompt token),
+    so it may end inside the last chunk it uses: only that chunk's blocks before the
+    hit are loaded, as vLLM's own prefix cache would reuse them.
     """
     check_chunk_size(layout, chunk_size)
-    first_chunk = start // chunk_size
-    for n in range(max_chunks, first_chunk, -1):  # every hit here is above `start`
-        hit = n * chunk_size
+    limit = max_chunks * chunk_size if limit is None else min(limit, max_chunks * chunk_size)
+    if limit % layout.chunk_multiple:
+        raise ValueError(f"limit {limit} is not a multiple of {layout.chunk_multiple}")
+    for n in range(-(-limit // chunk_size), start // chunk_size, -1):
+        hit = min(n * chunk_size, limit)
+        if hit <= start:
+            break
         if all(present(g, c) for g, c in hit_chunks(layout, start, hit, chunk_size)):
             return hit
     return 0

@@ -63,12 +63,14 @@ class ConnectorScheduler:
         if st is None or not self.can_load:
             return 0, False
         self._release(request.request_id, st)
-        # At least one prompt token must be computed by vLLM (it needs its logits).
-        max_chunks = min(len(st.hashes), (len(st.tokens) - 1) // self.chunk_size)
-        if max_chunks * self.chunk_size <= num_computed_tokens:
+        # At least one prompt token must be computed by vLLM (it needs its logits); a
+        # hit ends on a boundary of every group's blocks, possibly inside a chunk.
+        m = self.layout.chunk_multiple
+        limit = min(len(st.hashes) * self.chunk_size, (len(st.tokens) - 1) // m * m)
+        if limit <= num_computed_tokens:
             return 0, False
-        replies = self.client.ask_all("lookup", request.request_id, st.hashes[:max_chunks],
-                                      num_computed_tokens)
+        replies = self.client.ask_all("lookup", request.request_id, st.hashes,
+                                      num_computed_tokens, limit)
         hit = min(replies) if replies else 0
         if hit <= num_computed_tokens:
             self.client.ask_all("release", request.request_id)
@@ -90,7 +92,7 @@ class ConnectorScheduler:
         st.hit = None  # the worker releases the pins once loaded
         st.next_chunk = max(st.next_chunk, hit // self.chunk_size)
         self._loads.append(LoadRequest(request.request_id, start, hit,
-                                       st.hashes[:hit // self.chunk_size],
+                                       st.hashes[:-(-hit // self.chunk_size)],
                                        tuple(list(b) for b in blocks.get_block_ids())))
 
     def build_connector_meta(self, scheduler_output) -> Gemma4KVMetadata:

@@ -73,18 +73,20 @@ def test_max_servable_hit_matches_oracle(lc, data):
     present = {(g.group_id, c): data.draw(st.booleans())
                for g in layout.groups for c in range(max_chunks)}
     start = data.draw(st.integers(0, max_chunks)) * layout.chunk_multiple
+    limit = data.draw(st.integers(0, max_chunks * chunk // layout.chunk_multiple)) \
+        * layout.chunk_multiple
 
     def oracle():
-        for n in range(max_chunks, 0, -1):
-            hit = n * chunk
-            if hit <= start:
-                break
+        for hit in range(limit, start, -1):  # every token count; the first servable wins
+            if hit % layout.chunk_multiple or (hit % chunk and hit != limit):
+                continue  # hits end on a chunk boundary, or at the limit
             if all(present[(g.group_id, t // chunk)] for g in layout.groups
                    for t in oracle_needed_tokens(g, min(start, hit), hit)):
                 return hit
         return 0
 
-    got = max_servable_hit(layout, chunk, max_chunks, lambda g, c: present[(g, c)], start)
+    got = max_servable_hit(layout, chunk, max_chunks, lambda g, c: present[(g, c)], start,
+                           limit)
     assert got == oracle()
 
 
