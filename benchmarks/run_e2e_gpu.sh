@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
-# On the H200 (through the device tool), with .gpu-vllm and .whl carried along:
-# LMCache's store on this torch, CUDA kernel tests, kernel tuning sweep, GPU end-to-end
-# tests in vLLM. Logs under $OUT.
+# On the H200 (through the device tool), with .gpu-vllm and .whl carried along: the
+# CUDA kernel tests, then the GPU end-to-end cases and the default-numerics check side
+# by side (each engine has a fixed 4 GiB KV cache), then the 31B-shaped TTFT benchmark
+# for this connector and vLLM's OffloadingConnector. Logs and JSON under $OUT.
 cd "$(dirname "$0")/.."
 source .gpu-vllm/env.sh
 source benchmarks/gpu_env.sh
-python3 - <<'PY' 2>&1 | tail -3 | tee "$OUT/lmcache_store.txt"
-import torch
-from gemma4_kv.store import ChunkStore, StoreConfig
-from gemma4_kv.hf_layout import hf_layout, load_text_config
-from gemma4_kv.cli import bundled_config
-lay = hf_layout(load_text_config(bundled_config("gemma4-e2b-like")))
-s = ChunkStore(lay, "probe", 256, StoreConfig(cpu_bytes=1 << 30))
-objs = s.reserve(b"x" * 32)
-print("lmcache store on GPU machine: ok; objects pinned:", {g: t.is_pinned() for g, t in objs.items()})
-s.abort(b"x" * 32); s.close()
-PY
-python3 -P -m pytest -q -x tests/test_mover.py tests/test_plan.py 2>&1 | tee "$OUT/pytest_cuda.log" | tail -3
-[ "${SWEEP:-1}" = 1 ] && python3 benchmarks/sweep_kernel.py "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | grep best
-python3 -P -m pytest -q -x tests/test_e2e_gpu.py "$@" 2>&1 | tee "$OUT/pytest_e2e_gpu.log" | tail -30
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; df -h /dev/shm; } > "$OUT/gpu.txt"
+timeout 60 python3 -P -m pytest -q tests/test_mover.py 2>&1 | tee "$OUT/pytest_cuda.log" | tail -1
+for k in medium "tiny and not kv_shared" kv_shared mtp; do
+  name=${k%% *}
+  timeout 260 python3 -P -m pytest -q -rA -k "$k" --junitxml="$OUT/e2e_$name.xml" \
+    tests/test_e2e_gpu.py > "$OUT/e2e_$name.log" 2>&1 &
+done
+timeout 260 python3 benchmarks/numerics_gpu.py "$OUT/numerics.json" > "$OUT/numerics.log" 2>&1 &
+wait
+grep -hE "^(PASSED|FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT"/e2e_*.log
+grep -E "^(recompute|vllm_prefix|gemma4_kv) " "$OUT/numerics.log"
+for c in gemma4-kv offloading; do
+  timeout "$([ $c = gemma4-kv ] && echo 150 || echo 180)" python3 benchmarks/bench_ttft.py \
+    --config gemma4-31b-like --connector $c --out "$OUT/ttft_31b_$c.json" > "$OUT/ttft_31b_$c.log" 2>&1
+  grep -A5 "^gemma4-31b-like" "$OUT/ttft_31b_$c.log" || tail -5 "$OUT/ttft_31b_$c.log"
+done

@@ -8,7 +8,9 @@ vLLM's engine processes start from a clean `__main__`:
 SPEC: {"model": dir, "prompts": [[token ids], ...], "connector": bool,
        "connector_class"/"connector_module": another connector (tests),
        "extra_config": {...}, "engine": {extra vllm.LLM kwargs}, "max_tokens": 8,
-       "speculative_config": {...} | null}
+       "speculative_config": {...} | null,
+       "preload": [modules whose install() runs before the engine starts, e.g. stand-ins
+                   for compiled vLLM ops missing on the GPU machine]}
 OUT:  {"outputs": [[token ids]], "cached": [num_cached_tokens], "ttft": [s], ...}
 """
 
@@ -87,7 +89,12 @@ def shim_kwargs() -> dict:
 
 
 def run(spec: dict) -> dict:
+    import importlib
+
     from vllm import LLM, SamplingParams
+
+    for name in spec.get("preload", []):
+        importlib.import_module(name).install()  # the forked engine core inherits it
 
     kwargs = dict(model=spec["model"], load_format="dummy", skip_tokenizer_init=True,
                   seed=0, enable_prefix_caching=False)

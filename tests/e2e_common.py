@@ -25,6 +25,8 @@ def prompts():
     return [
         base,                        # cold: stores chunks 0-3
         base,                        # same prompt: hit 1024 (P - 1 = 1099)
+        base[:768],                  # 3 whole stored chunks, P - 1 = 767: the hit ends
+                                     # inside chunk 2, on a block boundary
         base[:600] + other[:300],    # shares 600 tokens, off a chunk boundary: hit 512
         base[:513],                  # P - 1 = 512, on a chunk boundary: hit 512
         base[:200] + other[:400],    # shares less than a chunk: no hit
@@ -35,13 +37,13 @@ def prompts():
 
 
 def run_engine(tmp_path, name, model, *, connector, engine, extra=None, spec_cfg=None,
-               connector_class=None, role="kv_both"):
+               connector_class=None, role="kv_both", env=None, preload=()):
     stats = tmp_path / f"{name}.stats.jsonl"
     spec = {"model": model, "prompts": prompts(), "connector": connector, "max_tokens": 6,
             "kv_role": role,
             "engine": {"enforce_eager": True, "max_model_len": 4096, **engine},
             "extra_config": {"cpu_gb": 0.25, "stats_file": str(stats), **(extra or {})},
-            "speculative_config": spec_cfg}
+            "speculative_config": spec_cfg, "preload": list(preload)}
     if connector_class:
         spec.update(connector_class=connector_class, connector_module="broken_connector")
     spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
@@ -49,8 +51,10 @@ def run_engine(tmp_path, name, model, *, connector, engine, extra=None, spec_cfg
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONHASHSEED="0",
                VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
-               PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "gemma4_kv.harness", str(spec_path),
+               PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
+               **(env or {}))
+    # -P: the installed package (with its kernels), not the source tree in the cwd
+    proc = subprocess.run([sys.executable, "-P", "-m", "gemma4_kv.harness", str(spec_path),
                            str(out_path)], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     events = [json.loads(l) for l in stats.read_text().splitlines()] if stats.exists() else []
@@ -62,9 +66,10 @@ def expected_hits(layout):
     stored, hits = set(), []
     for p in prompts():
         hashes = chunk_hashes(p, CHUNK)
-        max_chunks = min(len(hashes), (len(p) - 1) // CHUNK)
-        hits.append(max_servable_hit(layout, CHUNK, max_chunks,
-                                     lambda g, c: hashes[c] in stored))
+        m = layout.chunk_multiple
+        hits.append(max_servable_hit(layout, CHUNK, len(hashes),
+                                     lambda g, c: hashes[c] in stored,
+                                     limit=(len(p) - 1) // m * m))
         stored.update(hashes)
     return hits
 
@@ -106,18 +111,23 @@ def check_against_plan(cfg, events, out, base, *, dtype, block_size, assistant=N
     assert sum(saved.values()) == len({h for p in prompts() for h in chunk_hashes(p, CHUNK)})
 
 
-
-
-def run_mtp_case(tmp_path, *, engine, check):
+def run_mtp_case(tmp_path, *, engine, check, env=None, preload=()):
     """Target + Gemma 4 MTP assistant, with and without the connector."""
     cfg = tiny_gemma4_config(window=100)
     model = save_config(cfg, tmp_path / "model")
     assistant = save_config(tiny_assistant_config(cfg), tmp_path / "assistant")
     spec_cfg = {"method": "mtp", "model": assistant, "num_speculative_tokens": 1}
     base, _ = run_engine(tmp_path, "base", model, connector=False, engine=engine,
-                         spec_cfg=spec_cfg)
+                         spec_cfg=spec_cfg, env=env, preload=preload)
     out, events = run_engine(tmp_path, "conn", model, connector=True, engine=engine,
-                             spec_cfg=spec_cfg)
+                             spec_cfg=spec_cfg, env=env, preload=preload)
     check_against_plan(cfg, events, out, base, assistant=tiny_assistant_config(cfg).text_config,
                        **check)
+    # Draft acceptance identical after every prompt. The number of drafts is not: on a
+    # hit that leaves a one-token tail (base[:513]), vLLM verifies one more draft for that
+    # request than after a full prefill (seen on CPU and GPU, with identical tokens).
+    counter = "vllm:spec_decode_num_accepted_tokens"
+    assert [s[counter] for s in out["spec_decode"]] == [s[counter] for s in base["spec_decode"]]
+    drafts = "vllm:spec_decode_num_drafts"
+    assert base["spec_decode"][-1][drafts] > 0 and out["spec_decode"][-1][drafts] > 0
     return base, out
