@@ -1,13 +1,15 @@
-"""Time to first token in vLLM on a GPU: cold, warm from the connector's CPU store, and
-vLLM's own GPU prefix-cache hit, for a random-weight Gemma 4-shaped model.
+"""Time to first token in vLLM on a GPU: cold, warm from a CPU KV store, and vLLM's own
+GPU prefix-cache hit, for a random-weight Gemma 4-shaped model.
 
     python benchmarks/bench_ttft.py --out ttft.json [--config gemma4-31b-like]
-        [--lengths 1024,8192,32768] [--plot ttft.png]
+        [--connector gemma4-kv|offloading] [--lengths 1024,8192,32768] [--plot ttft.png]
 
 Per prompt length (one engine, prefix caching on): a cold prompt (the connector stores
-it), `reset_prefix_cache()` then the same prompt (a hit served by the connector), then
-the same prompt again (vLLM's GPU prefix-cache hit). Bytes moved per group and the
-lookup / load times come from the connector's stats file.
+it), a one-token request and a pause so stores land, then `--repeats` times:
+`reset_prefix_cache()`, the same prompt (a hit served from the CPU store), the same
+prompt again (vLLM's GPU prefix-cache hit); medians are reported. `gemma4-kv` is this connector (bytes per group, lookup and load
+times come from its stats file); `offloading` is vLLM's native OffloadingConnector with
+its compiled copy op replaced by benchmarks/vllm_standins.py (cuMemcpyBatchAsync).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -25,30 +29,57 @@ from gemma4_kv.harness import connector_config, shim_kwargs
 from gemma4_kv.hf_layout import hf_layout, load_text_config
 
 
+def transfer_config(args, layout, stats: Path) -> dict:
+    if args.connector == "gemma4-kv":
+        return connector_config({"cpu_gb": args.cpu_gb, "stats_file": str(stats)})
+    cpu_bytes = int(args.cpu_gb * (1 << 30))
+    if shutil.disk_usage("/dev/shm").free < cpu_bytes:
+        # Its shared /dev/shm region does not fit on this machine: private pinned
+        # tensors per worker instead (vLLM's own fallback path).
+        from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+        CPUOffloadingSpec._uses_shared_region = lambda self: False
+    largest_block = max(g.block_size for g in layout.groups)
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "cpu_bytes_to_use": cpu_bytes,
+                "blocks_per_chunk": 256 // largest_block,  # 256-token hits, like ours
+                "sync_load_budget_bytes": 1 << 36}}  # load in the hit's own step, like ours
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--plot")
     p.add_argument("--config", default="gemma4-31b-like")
+    p.add_argument("--connector", default="gemma4-kv", choices=["gemma4-kv", "offloading"])
     p.add_argument("--lengths", default="1024,8192,32768")
-    p.add_argument("--cpu-gb", type=float, default=56)
+    p.add_argument("--cpu-gb", type=float, default=50)
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    p.add_argument("--repeats", type=int, default=3, help="warm and GPU-hit runs (median)")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
 
     import torch
     from vllm import LLM, SamplingParams
 
+    if shim_kwargs():  # vLLM without its compiled ops (GPU machine): stand-ins for two
+        import vllm_standins  # of them; the forked engine core inherits them
+
+        vllm_standins.install()
+
     cfg = load_text_config(bundled_config(args.config))
     cfg.architectures = ["Gemma4ForCausalLM"]
+    layout = hf_layout(cfg, dtype=torch.bfloat16)
     model = tempfile.mkdtemp(prefix="gemma4-bench-")
     cfg.save_pretrained(model)
     stats = Path(model) / "stats.jsonl"
     kwargs = dict(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                   seed=0, enforce_eager=True, max_model_len=max(lengths) + 1024,
                   max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
-                  enable_prefix_caching=True,
-                  kv_transfer_config=connector_config({"cpu_gb": args.cpu_gb,
-                                                       "stats_file": str(stats)}))
+                  enable_prefix_caching=True, tensor_parallel_size=args.tp,
+                  disable_custom_all_reduce=True,  # not on this machine's vLLM (no compiled ops)
+                  kv_transfer_config=transfer_config(args, layout, stats))
     kwargs.update(shim_kwargs())
     t = time.perf_counter()
     llm = LLM(**kwargs)
@@ -61,32 +92,36 @@ def main(argv=None):
         out = llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)[0]
         return time.perf_counter() - t, out.num_cached_tokens, list(out.outputs[0].token_ids)
 
-    llm.generate([{"prompt_token_ids": [5] * 300}], sp, use_tqdm=False)  # warm-up
+    def settle():
+        """Let stores land (vLLM's connector submits them in the next step)."""
+        llm.generate([{"prompt_token_ids": [rng.randrange(3, 1000)] * 8}], sp, use_tqdm=False)
+        time.sleep(1.0)
+
+    ttft([5] * 300)  # warm-up
     rows = []
     for n in lengths:
         tokens = [rng.randrange(3, cfg.vocab_size) for _ in range(n)]
         cold, c0, o0 = ttft(tokens)
-        llm.reset_prefix_cache()
-        warm, c1, o1 = ttft(tokens)
-        gpu, c2, o2 = ttft(tokens)
-        rows.append(dict(tokens=n, cold_s=cold, warm_connector_s=warm, gpu_prefix_hit_s=gpu,
-                         cached=[c0, c1, c2], same_first_token=o0 == o1 == o2))
+        settle()
+        warm, gpu = [], []
+        for _ in range(args.repeats):
+            llm.reset_prefix_cache()
+            warm.append(ttft(tokens))
+            gpu.append(ttft(tokens))
+        rows.append(dict(tokens=n, cold_s=cold, warm_connector_s=statistics.median(
+                             t for t, _, _ in warm),
+                         gpu_prefix_hit_s=statistics.median(t for t, _, _ in gpu),
+                         warm_runs_s=[t for t, _, _ in warm], gpu_hit_runs_s=[t for t, _, _ in gpu],
+                         cached=[c0, warm[0][1], gpu[0][1]],
+                         first_tokens=dict(cold=o0, warm=[o for _, _, o in warm],
+                                           gpu_hit=[o for _, _, o in gpu]),
+                         same_first_token=all(o == o0 for _, _, o in warm + gpu)))
         print(json.dumps(rows[-1]), flush=True)
 
-    layout = hf_layout(cfg, dtype=torch.bfloat16)
-    events = [json.loads(l) for l in stats.read_text().splitlines()]
-    loads = [e for e in events if e["event"] == "load"]
-    lookups = [e for e in events if e["event"] == "lookup" and e["end"] > 0]
+    events = ([json.loads(l) for l in stats.read_text().splitlines()]
+              if stats.exists() else [])
     for row in rows:
-        load = next((e for e in loads if e["end"] == row["cached"][1]), None)
-        look = next((e for e in lookups if e["end"] == row["cached"][1]), None)
-        if load:
-            moved = sum(g["bytes"] for g in load["groups"].values())
-            full_prefix = load["end"] * sum(g.bytes_per_token for g in layout.groups)
-            row.update(loaded_bytes=moved, loaded_bytes_per_group=load["groups"],
-                       full_prefix_bytes=full_prefix, loaded_fraction=moved / full_prefix,
-                       load_s=load["seconds"], lookup_s=look["seconds"] if look else None,
-                       load_gbps=moved / load["seconds"] / 1e9)
+        add_phases(row, events, layout)
         row["cold_over_warm"] = row["cold_s"] / row["warm_connector_s"]
         row["warm_over_gpu_hit"] = row["warm_connector_s"] / row["gpu_prefix_hit_s"]
     props = torch.cuda.get_device_properties(0)
@@ -94,40 +129,97 @@ def main(argv=None):
 
     result = dict(meta=dict(gpu=props.name, torch=torch.__version__, triton=triton.__version__,
                             date=time.strftime("%Y-%m-%d"), config=args.config,
+                            connector=args.connector, tensor_parallel=args.tp,
                             engine_startup_s=startup,
+                            groups=[(g.kind.value, g.block_size, len(g.layers))
+                                    for g in layout.groups],
                             command="python benchmarks/bench_ttft.py " + " ".join(sys.argv[1:])),
                   rows=rows)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"\n{args.config} on {props.name}")
+    print_table(result)
+    if args.plot:
+        plot([result], args.plot)
+
+
+def add_phases(row: dict, events: list, layout) -> None:
+    """Bytes per group, lookup and load times of the warm hits (gemma4-kv's stats file):
+    bytes of one hit summed over tensor-parallel ranks, times the slowest rank's, the
+    median over the repeats."""
+    hit = row["cached"][1]
+    by_req = {}
+    for e in events:
+        if e["event"] in ("load", "lookup") and e["end"] == hit:
+            by_req.setdefault(e["req_id"], []).append(e)
+    hits = [evs for evs in by_req.values() if any(e["event"] == "load" for e in evs)]
+    if not hits:
+        return
+    loads = [e for e in hits[0] if e["event"] == "load"]
+    per_group = {}
+    for e in loads:
+        for gid, g in e["groups"].items():
+            per_group[gid] = {k: per_group.get(gid, {}).get(k, 0) + v for k, v in g.items()}
+
+    def slowest(evs, kind):
+        return max((e["seconds"] for e in evs if e["event"] == kind), default=0.0)
+
+    load_s = statistics.median(slowest(evs, "load") for evs in hits)
+    moved = sum(g["bytes"] for g in per_group.values())
+    full_prefix = hit * sum(g.bytes_per_token for g in layout.groups)  # all heads
+    row.update(ranks_loaded=sorted({e.get("rank", 0) for e in loads}),
+               loaded_bytes=moved, loaded_bytes_per_group=per_group,
+               full_prefix_bytes=full_prefix, loaded_fraction=moved / full_prefix,
+               load_s=load_s, lookup_s=statistics.median(slowest(evs, "lookup") for evs in hits),
+               load_gbps=moved / load_s / 1e9)
+
+
+def print_table(result: dict) -> None:
+    m = result["meta"]
+    print(f"\n{m['config']}, {m['connector']}, on {m['gpu']}")
     print(f"{'tokens':>6} {'cold s':>7} {'warm s':>7} {'gpu-hit s':>9} {'cold/warm':>9} "
-          f"{'warm/gpu':>8} {'loaded GB':>9} {'of prefix':>9} {'load s':>7} {'GB/s':>6}")
-    for r in rows:
+          f"{'warm/gpu':>8} {'loaded GB':>9} {'of prefix':>9} {'lookup s':>8} {'load s':>7} "
+          f"{'GB/s':>6}")
+    for r in result["rows"]:
         print(f"{r['tokens']:6} {r['cold_s']:7.3f} {r['warm_connector_s']:7.3f} "
               f"{r['gpu_prefix_hit_s']:9.3f} {r['cold_over_warm']:9.1f} "
               f"{r['warm_over_gpu_hit']:8.2f} {r.get('loaded_bytes', 0) / 1e9:9.2f} "
-              f"{100 * r.get('loaded_fraction', 0):8.1f}% {r.get('load_s', 0):7.3f} "
-              f"{r.get('load_gbps', 0):6.1f}")
-    if args.plot:
-        import matplotlib
+              f"{100 * r.get('loaded_fraction', 0):8.1f}% {r.get('lookup_s') or 0:8.3f} "
+              f"{r.get('load_s', 0):7.3f} {r.get('load_gbps', 0):6.1f}")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(8, 5))
-        x = range(len(rows))
-        w = 0.27
-        for k, (key, label) in enumerate([("cold_s", "cold"), ("warm_connector_s",
-                                           "warm (gemma4-kv CPU store)"),
-                                          ("gpu_prefix_hit_s", "vLLM GPU prefix hit")]):
-            ax.bar([i + (k - 1) * w for i in x], [r[key] for r in rows], w, label=label)
-        ax.set_xticks(list(x), [f"{r['tokens']} tokens" for r in rows])
+def plot(results: list, path: str) -> None:
+    """One panel per model shape: cold, warm per connector, GPU prefix hit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def panel(r):
+        return r["meta"]["config"], r["meta"].get("tensor_parallel", 1)
+
+    panels = sorted({panel(r) for r in results})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
+    for ax, (config, tp) in zip(axes[0], panels):
+        mine = [r for r in results if panel(r) == (config, tp)]
+        bars = [("cold", "cold_s", mine[0])]
+        bars += [(f"warm ({r['meta']['connector']})", "warm_connector_s", r) for r in mine]
+        bars += [("vLLM GPU prefix hit", "gpu_prefix_hit_s", mine[0])]
+        rows = mine[0]["rows"]
+        w = 0.8 / len(bars)
+        for k, (label, key, r) in enumerate(bars):
+            ax.bar([i + (k - (len(bars) - 1) / 2) * w for i in range(len(rows))],
+                   [row[key] for row in r["rows"]], w, label=label)
+        ax.set_xticks(range(len(rows)), [f"{r['tokens']} tokens" for r in rows])
         ax.set_yscale("log")
         ax.set_ylabel("TTFT (s)")
-        ax.set_title(f"{args.config} (random weights), {props.name}")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
+        ax.set_title(f"{config}{f', TP {tp}' if tp > 1 else ''} (random weights), "
+                     f"{mine[0]['meta']['gpu']}", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--plot-only"]:  # --plot-only OUT.png RESULT.json ...
+        plot([json.loads(Path(f).read_text()) for f in sys.argv[3:]], sys.argv[2])
+    else:
+        main()
