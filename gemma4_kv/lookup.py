@@ -82,23 +82,33 @@ class LookupClient:
         return self._socks[address]
 
     def ask_all(self, op: str, *args) -> list | None:
-        """Replies of every rank, or None if any rank failed or timed out."""
-        replies = []
+        """Replies of every rank, or None if any rank failed or timed out. All ranks
+        are asked before any reply is awaited, so they answer in parallel."""
+        asked, ok = [], True
         for address in self._addresses:
-            sock = self._socket(address)
             try:
-                sock.send_pyobj((op, *args))
-                status, value = sock.recv_pyobj()
+                self._socket(address).send_pyobj((op, *args))
+                asked.append(address)
             except zmq.Again:
-                logger.warning("gemma4-kv worker at %s did not answer %s", address, op)
-                sock.close(linger=0)  # a REQ socket is stuck after a timeout
-                del self._socks[address]
-                return None
+                ok = self._drop(address, op)
+        replies = []
+        for address in asked:  # every asked socket must receive, or it stays stuck
+            try:
+                status, value = self._socks[address].recv_pyobj()
+            except zmq.Again:
+                ok = self._drop(address, op)
+                continue
             if status != "ok":
                 logger.warning("gemma4-kv worker at %s: %s failed: %s", address, op, value)
-                return None
+                ok = False
             replies.append(value)
-        return replies
+        return replies if ok else None
+
+    def _drop(self, address: str, op: str) -> bool:
+        """Forget a socket that timed out (a REQ socket is stuck after one)."""
+        logger.warning("gemma4-kv worker at %s did not answer %s", address, op)
+        self._socks.pop(address).close(linger=0)
+        return False
 
     def close(self) -> None:
         for s in self._socks.values():

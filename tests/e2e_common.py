@@ -124,8 +124,9 @@ def run_mtp_case(tmp_path, *, engine, check, env=None, preload=()):
     check_against_plan(cfg, events, out, base, assistant=tiny_assistant_config(cfg).text_config,
                        **check)
     # Draft acceptance identical after every prompt. The number of drafts is not: on a
-    # hit that leaves a one-token tail (base[:513]), vLLM verifies one more draft for that
-    # request than after a full prefill (seen on CPU and GPU, with identical tokens).
+    # hit that leaves a one-token tail (base[:513]) vLLM's scheduler runs that token
+    # like a decode step, with a placeholder draft (-1) that it counts as one more
+    # (rejected) draft; tokens are identical (seen on CPU and GPU).
     counter = "vllm:spec_decode_num_accepted_tokens"
     assert [s[counter] for s in out["spec_decode"]] == [s[counter] for s in base["spec_decode"]]
     drafts = "vllm:spec_decode_num_drafts"
