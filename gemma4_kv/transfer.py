@@ -1,7 +1,7 @@
 """How bytes travel between vLLM's caches and the store's objects, per device.
 
 CPU (and any non-CUDA device): the torch mover copies straight into / out of the
-store's objects.
+store's objects (`load`, `save`).
 
 CUDA:
 - save = staged: the Triton kernel gathers all chunks of a group into a device
@@ -54,11 +54,9 @@ class Transfer:
 
     def load(self, group: KVGroup, caches: Sequence[torch.Tensor],
              objects: Sequence[torch.Tensor], plan: Sequence[ChunkBlocks]) -> None:
-        """Fill the planned blocks from store objects (`objects[k]` for `plan[k]`)."""
-        if self.cuda and not all(o.is_pinned() for o in objects):
-            objects = [o.to(self.device, non_blocking=True) for o in objects]
-        scatter(group, caches, objects, BlockMoves.from_chunks(plan, self.device),
-                self.num_programs)
+        """Not CUDA: fill the planned blocks from store objects (`objects[k]` for
+        `plan[k]`) now, with the torch mover."""
+        scatter(group, caches, objects, BlockMoves.from_chunks(plan, self.device))
 
     def load_by_layer(self, loads: dict[int, tuple],
                       order: Sequence[tuple[int, int]]) -> QueuedLoads:
