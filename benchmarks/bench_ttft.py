@@ -7,9 +7,10 @@ GPU prefix-cache hit, for a random-weight Gemma 4-shaped model.
 Per prompt length (one engine, prefix caching on): a cold prompt (the connector stores
 it), a one-token request and a pause so stores land, then `--repeats` times:
 `reset_prefix_cache()`, the same prompt (a hit served from the CPU store), the same
-prompt again (vLLM's GPU prefix-cache hit); medians are reported. `gemma4-kv` is this connector (bytes per group, lookup and load
-times come from its stats file); `offloading` is vLLM's native OffloadingConnector with
-its compiled copy op replaced by benchmarks/vllm_standins.py (cuMemcpyBatchAsync).
+prompt again (vLLM's GPU prefix-cache hit); medians are reported. `gemma4-kv` is this
+connector (bytes per group, lookup and load times come from its stats file);
+`offloading` is vLLM's native OffloadingConnector with its compiled copy op replaced by
+benchmarks/vllm_standins.py (cuMemcpyBatchAsync).
 """
 
 from __future__ import annotations

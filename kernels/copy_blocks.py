@@ -9,8 +9,9 @@ writes it directly over PCIe).
 
 Work unit = (block move, K or V, layer): it copies `block_size * heads` rows of
 `head_size` contiguous elements. A launch may move a range of the group's layers only
-(loads go layer by layer so the forward can start on the first layers). A persistent grid of `num_programs` programs strides
-over the units, so the SM budget is a launch argument. Elements are moved as
+(loads go layer by layer so the forward can start on the first layers). A persistent
+grid of `num_programs` programs strides over the units, so the SM budget is a launch
+argument. Elements are moved as
 integers of the same width: bit-exact for every dtype (fp8, bf16, fp16, fp32).
 Addresses are int64 element offsets from the first layer / first object, so the
 kernel knows the base pointers' 16-byte alignment and can vectorise.

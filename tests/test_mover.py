@@ -141,8 +141,8 @@ def test_triton_kernel_cpu_interpreter(layout, dtype, pieces):
     run_case(layout, dtype, pieces, "cpu", _triton(True), _triton(False))
 
 
-@pytest.mark.parametrize("layout,dtype", [("LBNHC", torch.bfloat16), ("BHLNC", torch.float8_e4m3fn)],
-                         ids=str)
+@pytest.mark.parametrize("layout,dtype",
+                         [("LBNHC", torch.bfloat16), ("BHLNC", torch.float8_e4m3fn)], ids=str)
 def test_triton_kernel_by_layer_cpu_interpreter(layout, dtype):
     if torch.cuda.is_available():
         pytest.skip("covered by the CUDA tests on GPU machines")
