@@ -290,6 +290,13 @@ def _adapter(spec, i: int) -> dict:
             raise _Bad(f'(type "{type_name}") field "{k}" must be true or false '
                        "(LMCache reads any non-empty value as true)",
                        f'write "{k}": true or false, unquoted', sub=sub, shown=shown)
+    eviction = spec.get("eviction")
+    for k in ("trigger_watermark", "eviction_ratio") if isinstance(eviction, dict) else ():
+        x = eviction.get(k, 0.5)
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x <= 1:
+            raise _Bad(f'(type "{type_name}") field "eviction"["{k}"] must be a number in '
+                       "(0, 1] (LMCache converts it with float() and checks no range)",
+                       f'write e.g. "{k}": 0.8', sub=sub, shown=shown)
     try:
         json.dumps(spec, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -318,6 +325,12 @@ def _adapters(v):
                    shown=_show(_redacted(v)))
     if not isinstance(v, (list, tuple)):
         raise _Bad("must be a list of JSON objects", f"write e.g. {_EXAMPLE}")
+    if v:
+        try:
+            _l2()
+        except ImportError as e:
+            raise _Bad(f"needs LMCache, which does not import here ({e})",
+                       "pip install 'gemma4-kv[lmcache]'") from None
     return tuple(_adapter(spec, i) for i, spec in enumerate(v))
 
 

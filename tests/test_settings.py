@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 import psutil
@@ -221,6 +222,19 @@ def test_l2_adapter_values_lmcache_would_coerce():
     assert 'field "shared" must be true or false' in msg
     msg = adapter_error({"type": "resp", "host": "h", "port": 1, "max_capacity_gb": math.nan})
     assert 'NaN or infinity at ["max_capacity_gb"]' in msg
+    for bad in ("0.8", 7, True):
+        msg = adapter_error({"type": "fs_native", "base_path": "/x",
+                             "eviction": {"eviction_policy": "LRU", "trigger_watermark": bad}})
+        assert 'field "eviction"["trigger_watermark"] must be a number in (0, 1]' in msg
+    good = {"type": "fs_native", "base_path": "/x", "max_capacity_gb": 1,
+            "eviction": {"eviction_policy": "LRU", "trigger_watermark": 0.9, "eviction_ratio": 1}}
+    assert parse({"l2_adapters": [good]}).l2_adapters == (good,)
+
+
+def test_l2_adapters_without_lmcache(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lmcache.v1.distributed.l2_adapters", None)
+    assert "needs LMCache" in error({"l2_adapters": [MOCK]}, "l2_adapters")
+    assert parse({"l2_adapters": []}).l2_adapters == ()
 
 
 # -- host checks -------------------------------------------------------------------------
