@@ -20,19 +20,20 @@ if [ "$(id -u)" != 0 ]; then
     sudo="sudo"
 fi
 
-echo "installing a Redis-protocol server for the remote-tier tests (about 30 s)..." >&2
-export DEBIAN_FRONTEND=noninteractive
+echo "installing a Redis-protocol server for the remote-tier tests (about 10 s)..." >&2
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-run() { "$@" >"$log" 2>&1 || { cat "$log" >&2; echo "install_servers.sh: failed: $*" >&2; exit 1; }; }
+run() {  # quiet unless it fails
+    "$@" >"$log" 2>&1 || { cat "$log" >&2; echo "install_servers.sh: failed: $*" >&2; exit 1; }
+}
 
-run $sudo apt-get update -q
+run $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q
 if apt-cache show valkey-server >/dev/null 2>&1; then
     pkgs=valkey-server  # depends on valkey-tools (valkey-cli)
 else
     pkgs=redis-server  # depends on redis-tools (redis-cli)
 fi
-run $sudo apt-get install -y -q --no-install-recommends $pkgs
+run $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $pkgs
 
 if ! { have valkey-server || have redis-server; }; then
     echo "install_servers.sh: installed $pkgs but no server is on PATH" >&2
