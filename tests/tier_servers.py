@@ -1,0 +1,184 @@
+"""Real Redis/Valkey servers for remote-tier tests: started on loopback, stopped, restarted.
+
+A `TierServer` runs `valkey-server` (or `redis-server`, whichever is installed;
+`scripts/install_servers.sh` installs one) on 127.0.0.1 with no persistence, in a
+directory of its own, so each test starts from an empty keyspace. `stop` / `kill` /
+`pause` and `start` again on the same port play "the server goes away mid-run and
+comes back" against clients that were configured with that host and port.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+HOST = "127.0.0.1"
+SERVERS = ("valkey-server", "redis-server")
+CLIENTS = {"valkey-server": "valkey-cli", "redis-server": "redis-cli"}
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    """No server outlives the test process, whatever a test forgot."""
+    for server in list(_LIVE):
+        server.kill()
+
+
+def server_binary() -> str | None:
+    """The first server program on PATH (valkey preferred), or None."""
+    return next((b for b in SERVERS if shutil.which(b)), None)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def ping(port: int, timeout: float = 0.5) -> bool:
+    """True when a RESP server on `port` answers PING with PONG (inline command)."""
+    try:
+        with socket.create_connection((HOST, port), timeout=timeout) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class TierServer:
+    """One server process on a fixed loopback port; start/stop as often as a test needs."""
+
+    def __init__(self, binary: str | None = None, port: int | None = None,
+                 workdir: str | os.PathLike | None = None):
+        self.binary = binary or server_binary()
+        if self.binary is None:
+            raise RuntimeError("no valkey-server or redis-server on PATH "
+                               "(run scripts/install_servers.sh)")
+        self.cli_binary = CLIENTS.get(Path(self.binary).name, "redis-cli")
+        self.host = HOST
+        self.port = port or free_port()
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="tier-server-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+
+    # -- lifecycle --------------------------------------------------------------------
+    def start(self, timeout: float = 10.0) -> TierServer:
+        """Start on `self.port` and return once it answers PING."""
+        if self.running:
+            return self
+        log = open(self.workdir / "server.log", "ab")
+        self.proc = subprocess.Popen(
+            [self.binary, "--bind", HOST, "--port", str(self.port), "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir), "--daemonize", "no",
+             "--protected-mode", "no", "--loglevel", "warning"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        _LIVE.add(self)
+        deadline = time.monotonic() + timeout
+        while not ping(self.port):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.binary} exited with {self.proc.returncode}: "
+                                   f"{self.log()[-2000:]}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(f"{self.binary} did not answer PING on {self.port}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Graceful shutdown (SIGTERM); the keyspace is lost (no persistence)."""
+        self._signal(signal.SIGTERM, timeout)
+
+    def kill(self) -> None:
+        """Abrupt death (SIGKILL), as a crashed or OOM-killed server."""
+        self._signal(signal.SIGKILL, 10.0)
+
+    def pause(self) -> None:
+        """Freeze the process (SIGSTOP): connections stay open but nothing answers."""
+        if self.running:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.running:
+            self.proc.send_signal(signal.SIGCONT)
+
+    def _signal(self, sig: int, timeout: float) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a paused server cannot exit
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log(self) -> str:
+        path = self.workdir / "server.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    # -- inspection -------------------------------------------------------------------
+    def cli(self, *args: str) -> str:
+        """Run the server's own command-line client against it; its stdout."""
+        return subprocess.run([self.cli_binary, "-h", HOST, "-p", str(self.port), *args],
+                              check=True, capture_output=True, text=True,
+                              timeout=30).stdout
+
+    def keys(self, pattern: str = "*") -> list[str]:
+        """Every key name (SCAN, not KEYS), sorted."""
+        return sorted(k for k in self.cli("--scan", "--pattern", pattern).splitlines() if k)
+
+    def flush(self) -> None:
+        self.cli("FLUSHALL")
+
+    # -- LMCache L2 adapter specs -----------------------------------------------------
+    def resp_spec(self, **extra) -> dict:
+        """LMCache's native RESP adapter (C++ client in `lmcache.lmcache_redis`)."""
+        return {"type": "resp", "host": self.host, "port": self.port, **extra}
+
+    def valkey_spec(self, **extra) -> dict:
+        """LMCache's valkey-glide adapter (needs the `valkey-glide-sync` package)."""
+        return {"type": "valkey", "startup_nodes": f"{self.host}:{self.port}", **extra}
+
+    def __repr__(self) -> str:
+        return f"TierServer({Path(self.binary).name}, {self.host}:{self.port})"
+
+
+def require_server() -> str:
+    """The server binary, or skip (outside CI) / fail (CI=true) when none is installed."""
+    binary = server_binary()
+    if binary is None:
+        msg = "no valkey-server/redis-server: run scripts/install_servers.sh"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return binary
+
+
+@pytest.fixture
+def tier_server(tmp_path) -> Iterator[TierServer]:
+    """A fresh, empty server for one test, stopped afterwards."""
+    server = TierServer(require_server(), workdir=tmp_path).start()
+    try:
+        yield server
+    finally:
+        server.kill()
