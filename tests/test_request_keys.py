@@ -358,3 +358,94 @@ def test_reset_changes_every_key_and_stops_requests_in_flight():
     assert isinstance(fresh, ChunkKeys) and not set(fresh.hashes) & set(kw.hashes)
     assert isinstance(keyer.refresh(kr, running), Uncacheable)
     assert keyer.keys(request(t)).hashes == fresh.hashes
+
+
+# -- the engine's part of the fingerprint -------------------------------------------------
+
+def _engine_config(model_dir, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = dict(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
+                dtype="float32", max_model_len=2048)
+    args.update(kw)
+    return EngineArgs(**args).create_engine_config()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from gemma4_kv.harness import save_config, tiny_gemma4_config
+
+    return save_config(tiny_gemma4_config(), tmp_path_factory.mktemp("model"))
+
+
+def test_engine_identity_names_what_changes_the_kv(model_dir):
+    from gemma4_kv.keys import engine_identity
+
+    base = engine_identity(_engine_config(model_dir))
+    assert base.unsafe is None
+    assert engine_identity(_engine_config(model_dir)).digest == base.digest
+    others = {
+        "kv dtype": engine_identity(_engine_config(model_dir, kv_cache_dtype="fp8")),
+        "dtype": engine_identity(_engine_config(model_dir, dtype="bfloat16")),
+        "overrides": engine_identity(_engine_config(
+            model_dir, hf_overrides={"sliding_window": 64})),
+        "generation": engine_identity(_engine_config(model_dir), generation="reset-1"),
+        "weights id": engine_identity(_engine_config(model_dir), weights_id="ckpt-2"),
+    }
+    assert len({base.digest} | {i.digest for i in others.values()}) == len(others) + 1
+    assert others["kv dtype"].unsafe is None  # per-tensor fp8: static scales, keyed below
+    odd = engine_identity(_engine_config(model_dir, kv_cache_dtype="int8_per_token_head"))
+    assert odd.unsafe and "int8_per_token_head" in odd.unsafe
+
+
+def test_weights_signature_follows_the_weight_files(tmp_path, model_dir):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from gemma4_kv.keys import weights_signature
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(model_dir, d)
+    cfg = _engine_config(d)
+    assert weights_signature(cfg.model_config, cfg.load_config) == "dummy"
+    save_file({"w": torch.zeros(4)}, str(d / "model.safetensors"))
+    cfg = _engine_config(d, load_format="safetensors")
+    first = weights_signature(cfg.model_config, cfg.load_config)
+    assert first.startswith("files:1:")
+    assert weights_signature(cfg.model_config, cfg.load_config) == first
+    save_file({"w": torch.ones(4)}, str(d / "model.safetensors"))  # replaced in place
+    assert weights_signature(cfg.model_config, cfg.load_config) != first
+
+
+def test_layer_identity_covers_backend_dtype_and_kv_scales(model_dir):
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    from gemma4_kv.keys import layer_identity
+
+    cfg = _engine_config(model_dir, kv_cache_dtype="fp8")
+    name = "model.layers.0.self_attn.attn"
+    with set_current_vllm_config(cfg):
+        layer = Attention(4, 32, 1.0, num_kv_heads=1, cache_config=cfg.cache_config,
+                          prefix=name)
+    first, unsafe = layer_identity(cfg, [name])
+    assert unsafe is None and layer_identity(cfg, [name])[0] == first
+    layer._v_scale.fill_(0.25)  # a checkpoint with other KV scales
+    assert layer_identity(cfg, [name])[0] != first
+    assert layer_identity(cfg, [name, "model.layers.99.self_attn.attn"])[1]
+
+
+def test_fingerprint_takes_the_engine_identity():
+    from gemma4_kv.harness import tiny_gemma4_config
+    from gemma4_kv.hf_layout import hf_layout
+    from gemma4_kv.keys import fingerprint
+
+    layout = hf_layout(tiny_gemma4_config(), dtype=torch.float32, block_size=32)
+    old = fingerprint(layout, model="m", chunk_size=CHUNK)
+    assert fingerprint(layout, model="m", chunk_size=CHUNK, engine="", layers="") == old
+    a = fingerprint(layout, model="m", chunk_size=CHUNK, engine="e1", layers="l1")
+    assert len({old, a, fingerprint(layout, model="m", chunk_size=CHUNK, engine="e2",
+                                    layers="l1"),
+                fingerprint(layout, model="m", chunk_size=CHUNK, engine="e1",
+                            layers="l2")}) == 4
