@@ -1,18 +1,24 @@
 """Keys of stored chunks: a rolling prefix hash per chunk plus a layout fingerprint.
 
-The chunk hash covers every token up to the end of the chunk (and the request's
-cache salt), so a key names one exact prefix. The fingerprint covers everything a
-stored object's bytes depend on besides the tokens: model, dtype, group geometry,
-chunk size, the object format and its version, tensor-parallel rank and size. It
-goes into LMCache's `ObjectKey.model_name`, so KV of another model, dtype, layout or
-format version is a different key: it can only miss, never be loaded.
+The chunk hash covers every token up to the end of the chunk (and, in
+`request_keys`, everything else of the request the KV depends on), so a key names one
+exact prefix. The fingerprint covers everything a stored object's bytes depend on
+besides the request: model and weights, dtype, quantization, KV cache dtype and scales,
+config overrides, attention backend and page format, group geometry, chunk size, the
+object format and its version, tensor-parallel rank and size. It goes into LMCache's
+`ObjectKey.model_name`, so KV of another model, weights, dtype, layout or format
+version is a different key: it can only miss, never be loaded.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
+import json
+import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from . import FORMAT_VERSION
 from .layout import KVLayout
@@ -32,9 +38,138 @@ def chunk_hashes(tokens: Sequence[int], chunk_size: int, salt: str | None = None
 
 
 def fingerprint(layout: KVLayout, *, model: str, chunk_size: int, tp_rank: int = 0,
-                tp_size: int = 1) -> str:
-    """Name of everything a stored object depends on besides its tokens."""
+                tp_size: int = 1, engine: str = "", layers: str = "") -> str:
+    """Name of everything a stored object depends on besides its request: `engine` is
+    `EngineIdentity.digest`, `layers` the digest of `layer_identity` (both "" before)."""
     desc = repr((FORMAT_VERSION, OBJECT_FORMAT, model, chunk_size, tp_rank, tp_size,
-                 layout.geometry()))
+                 layout.geometry()) + ((engine, layers) if engine or layers else ()))
     digest = hashlib.sha256(desc.encode()).hexdigest()[:24]
     return f"gemma4kv-v{FORMAT_VERSION}-tp{tp_rank}of{tp_size}-{digest}"
+
+
+# -- what the engine's KV depends on besides the request ---------------------------------
+
+_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.index.json")
+
+
+@dataclass(frozen=True)
+class EngineIdentity:
+    """Everything of the engine's configuration the KV bytes depend on."""
+    fields: dict
+    digest: str
+    unsafe: str | None
+    """Why KV of this engine cannot be keyed safely (store and load nothing), or None."""
+
+
+def weights_signature(model_config, load_config) -> str:
+    """Identity of the weights vLLM loads: the weight files' (name, size, mtime_ns) of a
+    local checkpoint (or of the cached Hugging Face snapshot); "dummy" for random weights
+    (vLLM seeds them with a constant). A file replaced in place changes it; a copy of the
+    same checkpoint elsewhere also does (set `weights_id` to share KV across copies)."""
+    fmt = str(getattr(load_config, "load_format", "auto"))
+    if fmt == "dummy":
+        return "dummy"
+    path = getattr(model_config, "model_weights", "") or model_config.model
+    if not os.path.isdir(path):
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(path, revision=model_config.revision,
+                                     local_files_only=True)
+        except Exception:  # not in the local cache: vLLM will fetch it
+            return f"unresolved:{path}@{model_config.revision}"
+    files = sorted({f for pat in _WEIGHT_FILES for f in glob.glob(os.path.join(path, pat))})
+    h = hashlib.sha256(os.path.realpath(path).encode())
+    for f in files:
+        st = os.stat(f)
+        h.update(struct.pack("<QQ", st.st_size, st.st_mtime_ns) + os.path.basename(f).encode())
+    return f"files:{len(files)}:{h.hexdigest()}"
+
+
+def _jsonable(value):
+    return json.loads(json.dumps(value, sort_keys=True, default=repr))
+
+
+def engine_identity(vllm_config, *, weights_id: str | None = None,
+                    generation: str = "") -> EngineIdentity:
+    """The engine's part of the fingerprint. `weights_id` (an operator-given checkpoint
+    identity) replaces the weight files' stat signature; `generation` names in-place
+    weight updates (the scheduler's `RequestKeyer.generation` carries it too)."""
+    import vllm
+    from vllm.v1.kv_cache_interface import KVQuantMode, get_kv_quant_mode
+
+    mc, cc, lc = vllm_config.model_config, vllm_config.cache_config, vllm_config.load_config
+    pc = vllm_config.parallel_config
+    try:
+        hf_config = mc.hf_config.to_json_string(use_diff=False)
+    except Exception:
+        hf_config = repr(mc.hf_config.to_dict())
+    overrides = mc.hf_overrides
+    attn = getattr(vllm_config, "attention_config", None)
+    fields = {
+        "vllm": vllm.__version__,
+        "model": mc.model,
+        "revision": mc.revision,
+        "code_revision": mc.code_revision,
+        "weights": weights_id or weights_signature(mc, lc),
+        "load_format": str(lc.load_format),
+        "hf_config": hashlib.sha256(hf_config.encode()).hexdigest(),
+        "hf_overrides": (f"callable:{getattr(overrides, '__qualname__', repr(overrides))}"
+                         if callable(overrides) else _jsonable(overrides)),
+        "runner": [str(getattr(mc, "runner", "")), str(getattr(mc, "convert", ""))],
+        "model_impl": str(getattr(mc, "model_impl", "")),
+        "model_class_overrides": _jsonable(getattr(mc, "model_class_overrides", {})),
+        "dtype": str(mc.dtype),
+        "quantization": mc.quantization,
+        "quantization_config": _jsonable(getattr(mc, "quantization_config", None)),
+        "kv_cache_dtype": cc.cache_dtype,
+        "kv_cache_dtype_skip_layers": list(getattr(cc, "kv_cache_dtype_skip_layers", [])),
+        "calculate_kv_scales": bool(getattr(cc, "calculate_kv_scales", False)),
+        "disable_sliding_window": bool(mc.disable_sliding_window),
+        "attention_backend": str(getattr(attn, "backend", None)),
+        "dcp": getattr(pc, "decode_context_parallel_size", 1),
+        "generation": generation,
+    }
+    mode = get_kv_quant_mode(cc.cache_dtype)
+    unsafe = None
+    if mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
+        unsafe = (f"kv_cache_dtype {cc.cache_dtype!r} ({mode.name}) keeps quantisation "
+                  "state the connector does not move or key")
+    elif mode != KVQuantMode.NONE and fields["calculate_kv_scales"]:
+        unsafe = ("calculate_kv_scales with an fp8 KV cache: the scales are computed from "
+                  "the first batch at run time, so equal tokens give other bytes")
+    elif fields["weights"].startswith("unresolved:"):
+        unsafe = f"cannot identify the weights of {mc.model!r} (not local)"
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+    return EngineIdentity(fields, digest[:32], unsafe)
+
+
+def layer_identity(vllm_config, layer_names: Iterable[str]) -> tuple[str, str | None]:
+    """(digest, unsafe reason) of what each owning attention layer adds to its KV bytes:
+    its backend, KV cache dtype and the k/v scales the cache is written with
+    (`compilation_config.static_forward_context[name]._k_scale` / `_v_scale`, loaded with
+    the weights). Call on the worker after the weights are loaded (register_kv_caches)."""
+    import torch
+
+    ctx = vllm_config.compilation_config.static_forward_context
+    h = hashlib.sha256(b"gemma4-kv:layers:1\n")
+    unsafe = None
+    for name in sorted(layer_names):
+        layer = ctx.get(name)
+        if layer is None:
+            unsafe = unsafe or f"layer {name!r} is not in vLLM's forward context"
+            continue
+        impl = getattr(layer, "impl", None)
+        backend = getattr(layer, "attn_backend", None)
+        desc = [name, type(impl).__name__,
+                backend.get_name() if hasattr(backend, "get_name") else repr(backend),
+                str(getattr(layer, "kv_cache_dtype", None))]
+        h.update(json.dumps(desc).encode())
+        for attr in ("_k_scale", "_v_scale"):
+            scale = getattr(layer, attr, None)
+            if not isinstance(scale, torch.Tensor):
+                h.update(b"-")
+                continue
+            data = scale.detach().flatten().float().cpu().contiguous()
+            h.update(struct.pack("<Q", data.numel()) + data.numpy().tobytes())
+    return h.hexdigest()[:32], unsafe
