@@ -1,0 +1,109 @@
+"""A checksum per stored object, written with it and verified before a hit is offered.
+
+Objects that come up from a disk or remote tier may be corrupted, truncated, written
+by another model or stored under another key. Each object therefore carries a small
+trailer (LMCache's second tensor of the object, `SEAL_SHAPE` int64 words):
+`[MAGIC, checksum, KV bytes, 0]`, where the checksum is
+
+    sum_i  x_i * w_i  +  key64      (mod 2**64)
+
+over the object's KV bytes read as int64 words `x_i`, with fixed odd weights `w_i`
+(splitmix64 of the word index) and `key64` derived from the object's full key
+(fingerprint, chunk hash, group). Any change of one word changes the sum (odd
+weights are invertible mod 2**64); an object under another key fails through
+`key64`. It is plain integer arithmetic in torch, so the GPU (at save time, in the
+staging buffer) and the CPU (at verification, in pinned host memory) compute the same
+value bit for bit. This guards against corruption, not against an attacker who can
+write the tier: keep tier directories and servers private to the serving user.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import numpy as np
+import torch
+
+MAGIC = 0x67346B7631  # "g4kv1"
+SEAL_SHAPE = (4,)
+SEAL_DTYPE = torch.int64
+_SLAB = 1 << 17
+"""Words per multiply-and-sum slab: the product stays in cache (CPU: 10.9 GB/s on
+2 cores against 2.2 GB/s for one pass over a 42 MiB object)."""
+
+_weights: dict[str, torch.Tensor] = {}
+_lock = threading.Lock()
+
+
+def _splitmix64(i: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = i + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def weights(num_words: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The first `num_words` weights on `device` (grown and cached per device)."""
+    dev = str(torch.device(device))
+    with _lock:
+        w = _weights.get(dev)
+        if w is None or w.numel() < num_words:
+            n = max(num_words, 2 * (w.numel() if w is not None else 0))
+            host = torch.from_numpy((_splitmix64(np.arange(n, dtype=np.uint64))
+                                     | np.uint64(1)).view(np.int64))
+            w = _weights[dev] = host.to(dev)
+        return w[:num_words]
+
+
+def key64(fingerprint: str, chunk_hash: bytes, group_id: int) -> int:
+    """The key's contribution, as a signed int64 value."""
+    d = hashlib.sha256(f"{fingerprint}|{group_id}|".encode() + chunk_hash).digest()
+    return int.from_bytes(d[:8], "little", signed=True)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+    if (flat.numel() * flat.element_size()) % 8:
+        raise ValueError("checksummed objects must be a multiple of 8 bytes")
+    return flat.view(torch.uint8).view(torch.int64)
+
+
+def weighted_sum(t: torch.Tensor) -> torch.Tensor:
+    """sum_i x_i * w_i (mod 2**64) of `t`'s bytes as a 0-d int64 tensor on t's device
+    (no host synchronisation on CUDA)."""
+    x = _words(t)
+    w = weights(x.numel(), x.device)
+    total = torch.zeros((), dtype=torch.int64, device=x.device)
+    for i in range(0, x.numel(), _SLAB):
+        total += (x[i:i + _SLAB] * w[i:i + _SLAB]).sum()
+    return total
+
+
+def seal(kv: torch.Tensor, out: torch.Tensor, key: int) -> None:
+    """Write the trailer of object `kv` under key value `key` into `out` (SEAL_SHAPE
+    int64, any device; queued on the current stream on CUDA)."""
+    s = weighted_sum(kv) + key
+    vals = torch.tensor([MAGIC, 0, kv.numel() * kv.element_size(), 0], dtype=torch.int64)
+    vals = vals.to(s.device, non_blocking=True)
+    vals[1] = s
+    out.copy_(vals, non_blocking=True)
+
+
+def seal_many(kv: torch.Tensor, keys: list[int]) -> torch.Tensor:
+    """Trailers of `kv[k]` (objects stacked on dim 0, e.g. a staging buffer), as a
+    [n, 4] int64 tensor on kv's device."""
+    out = torch.empty((len(keys), *SEAL_SHAPE), dtype=SEAL_DTYPE, device=kv.device)
+    for k, key in enumerate(keys):
+        seal(kv[k], out[k], key)
+    return out
+
+
+def verify(kv: torch.Tensor, trailer: torch.Tensor, key: int) -> bool:
+    """Whether object `kv` with trailer `trailer` is intact and stored under `key`."""
+    t = trailer.to("cpu").tolist()
+    if t[0] != MAGIC or t[2] != kv.numel() * kv.element_size():
+        return False
+    s = (int(weighted_sum(kv)) + key + (1 << 63)) % (1 << 64) - (1 << 63)
+    return s == t[1]
