@@ -61,6 +61,16 @@ class KVGroup:
     """(layer, owner) pairs: layers that only read an owner's memory (KV sharing)."""
     strides: PagedStrides | None = None
     """Physical addressing of every owning layer; None when built from a config."""
+    eagle: bool = False
+    """vLLM marks the group as holding EAGLE/MTP draft attention layers (is_eagle_group)."""
+    extra_retained_tokens: int = 0
+    """Sliding groups: tokens vLLM keeps beyond the window (multi-module MTP re-prefills
+    them); their blocks are allocated for a hit, so a load fills them too."""
+
+    @property
+    def reach(self) -> int | None:
+        """Sliding groups: how many tokens before the next one vLLM keeps."""
+        return None if self.window is None else self.window + self.extra_retained_tokens
 
     @property
     def element_size(self) -> int:
@@ -117,7 +127,8 @@ class KVLayout:
         depend on them (the mover normalises any stride order).
         """
         return tuple((g.kind.value, g.window, g.block_size, g.num_kv_heads, g.head_size,
-                      g.head_size_v, str(g.dtype), len(g.layers)) for g in self.groups)
+                      g.head_size_v, str(g.dtype), len(g.layers), len(g.draft_layers))
+                     for g in self.groups)
 
 
 def _spec_kind(spec) -> tuple[AttentionKind, int | None]:
@@ -182,6 +193,9 @@ def from_vllm(kv_cache_config, kv_caches: Mapping[str, torch.Tensor] | None = No
 
     groups = []
     for gid, g in enumerate(kv_cache_config.kv_cache_groups):
+        if not getattr(g, "enable_kv_transfer", True) or getattr(g, "host_resident", False):
+            raise UnsupportedLayout(f"group {gid} is not transferable or lives in host memory "
+                                    "(vLLM's ephemeral / HiSparse groups are not supported)")
         spec = g.kv_cache_spec
         kind, window = _spec_kind(spec)
         layers = tuple(g.layer_names)
@@ -203,5 +217,7 @@ def from_vllm(kv_cache_config, kv_caches: Mapping[str, torch.Tensor] | None = No
             group_id=gid, kind=kind, window=window, block_size=spec.block_size,
             num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
             head_size_v=spec.head_size_v, dtype=spec.dtype, layers=layers,
-            draft_layers=drafts, aliases=aliases, strides=strides))
+            draft_layers=drafts, aliases=aliases, strides=strides,
+            eagle=bool(getattr(g, "is_eagle_group", False)),
+            extra_retained_tokens=getattr(spec, "extra_retained_tokens", 0) or 0))
     return KVLayout(groups=tuple(groups), unknown_layers=tuple(unknown))

@@ -5,7 +5,12 @@ block size, so chunk `c` of group `g` is exactly blocks
 `[c * chunk_size / bs_g, (c + 1) * chunk_size / bs_g)` of the request. Full-attention
 groups need every token before a hit; sliding-window groups only the window before
 it, exactly as vLLM's `SlidingWindowManager` keeps it: after `H` computed tokens it
-frees the blocks wholly before token `H - window + 1` (they become the null block 0).
+frees the blocks wholly before token `H - window + 1 - extra_retained_tokens` (they
+become the null block 0).
+
+Retention: a sliding group's objects are useful only where a hit can end, so they are
+stored only for the chunks in the window before a request's planned hit ends
+(`retained_chunks`); full-attention groups store every chunk.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ def first_needed_token(group: KVGroup, hit_len: int) -> int:
     """First token whose KV the next token after a hit of `hit_len` can attend to."""
     if group.kind is AttentionKind.FULL:
         return 0
-    return max(0, hit_len - group.window + 1)
+    return max(0, hit_len - group.reach + 1)
 
 
 def needed_blocks(group: KVGroup, start: int, hit_len: int) -> range:
@@ -62,6 +67,27 @@ def hit_chunks(layout: KVLayout, start: int, hit: int, chunk_size: int) -> list[
             for c in needed_chunks(g, start - start % g.block_size, hit, chunk_size)]
 
 
+def servable_hits(layout: KVLayout, chunk_size: int, max_chunks: int,
+                  present: Callable[[int, int], bool], start: int = 0,
+                  limit: int | None = None) -> list[int]:
+    """Every hit length (descending) that every group can serve from the first
+    `max_chunks` chunks: chunk ends, and `limit` itself when it falls inside a chunk
+    (see `max_servable_hit`). Tensor-parallel ranks answer this list so the scheduler
+    can take the longest hit all of them can serve."""
+    check_chunk_size(layout, chunk_size)
+    limit = max_chunks * chunk_size if limit is None else min(limit, max_chunks * chunk_size)
+    if limit % layout.chunk_multiple:
+        raise ValueError(f"limit {limit} is not a multiple of {layout.chunk_multiple}")
+    out = []
+    for n in range(-(-limit // chunk_size), start // chunk_size, -1):
+        hit = min(n * chunk_size, limit)
+        if hit <= start:
+            break
+        if all(present(g, c) for g, c in hit_chunks(layout, start, hit, chunk_size)):
+            out.append(hit)
+    return out
+
+
 def max_servable_hit(layout: KVLayout, chunk_size: int, max_chunks: int,
                      present: Callable[[int, int], bool], start: int = 0,
                      limit: int | None = None) -> int:
@@ -74,17 +100,37 @@ def max_servable_hit(layout: KVLayout, chunk_size: int, max_chunks: int,
     so it may end inside the last chunk it uses: only that chunk's blocks before the
     hit are loaded, as vLLM's own prefix cache would reuse them.
     """
-    check_chunk_size(layout, chunk_size)
-    limit = max_chunks * chunk_size if limit is None else min(limit, max_chunks * chunk_size)
-    if limit % layout.chunk_multiple:
-        raise ValueError(f"limit {limit} is not a multiple of {layout.chunk_multiple}")
-    for n in range(-(-limit // chunk_size), start // chunk_size, -1):
-        hit = min(n * chunk_size, limit)
-        if hit <= start:
-            break
-        if all(present(g, c) for g, c in hit_chunks(layout, start, hit, chunk_size)):
-            return hit
-    return 0
+    hits = servable_hits(layout, chunk_size, max_chunks, present, start, limit)
+    return hits[0] if hits else 0
+
+
+def window_chunks(group: KVGroup, chunk_size: int) -> int:
+    """Trailing chunks a group needs to serve a hit ending on a chunk boundary
+    (LMCache's `sliding_window_size`; -1 for full attention). A hit ending inside a
+    chunk may need one chunk more (`hit_chunks` says which)."""
+    if group.kind is AttentionKind.FULL:
+        return -1
+    return max(1, -(-(group.reach - 1) // chunk_size))
+
+
+def hit_ends(num_chunks: int, chunk_size: int, limit: int, interval: int) -> list[int]:
+    """Where a request's stored chunks may serve hits: every `interval` tokens
+    (0: every chunk end), its last full chunk, and `limit` (the hit of the same prompt
+    asked again, at most one token short of it on a block boundary)."""
+    last = num_chunks * chunk_size
+    step = interval or chunk_size
+    ends = set(range(step, last + 1, step)) | {last}
+    if 0 < limit < last:
+        ends.add(limit)
+    return sorted(e for e in ends if e > 0)
+
+
+def retained_chunks(group: KVGroup, chunk_size: int, ends: Sequence[int]) -> set[int]:
+    """Chunks of `group` to store so that hits ending at `ends` can be served: all for
+    full attention, the windows before the ends for sliding groups."""
+    if group.kind is AttentionKind.FULL:
+        return set(range(max(ends, default=0) // chunk_size))
+    return {c for e in ends for c in needed_chunks(group, 0, e, chunk_size)}
 
 
 @dataclass(frozen=True)
@@ -117,17 +163,18 @@ def chunk_blocks(group: KVGroup, chunk: int, chunk_size: int,
 
 
 def save_blocks(layout: KVLayout, chunk: int, chunk_size: int,
-                block_ids: Sequence[Sequence[int]]) -> list[ChunkBlocks] | None:
-    """All groups' blocks of a chunk to store, or None if any block was freed.
+                block_ids: Sequence[Sequence[int]],
+                groups: Sequence[int] | None = None) -> list[ChunkBlocks]:
+    """The blocks of a chunk to store, for `groups` (default: all).
 
-    A chunk is stored for all groups or not at all; vLLM frees out-of-window
-    sliding blocks only more than `window` tokens behind the newest computed token,
-    so this happens only for windows smaller than a chunk under chunked prefill.
+    A group whose blocks of this chunk were freed is left out: vLLM frees sliding
+    blocks more than `window` tokens behind the newest computed token, which for a
+    window smaller than a chunk can happen before the chunk completes. Full-attention
+    blocks are never freed while the request runs.
     """
-    out = [chunk_blocks(g, chunk, chunk_size, block_ids[g.group_id]) for g in layout.groups]
-    if any(b == NULL_BLOCK for cb in out for b in cb.block_ids):
-        return None
-    return out
+    wanted = layout.groups if groups is None else [layout.groups[g] for g in groups]
+    out = [chunk_blocks(g, chunk, chunk_size, block_ids[g.group_id]) for g in wanted]
+    return [cb for cb in out if NULL_BLOCK not in cb.block_ids]
 
 
 def load_blocks(layout: KVLayout, start: int, hit_len: int, chunk_size: int,
