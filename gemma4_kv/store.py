@@ -1,15 +1,24 @@
 """The chunk store: LMCache's storage layer, embedded in-process.
 
-One LMCache object per (chunk, group), KV_2LTD-shaped for that group, keyed by
-`ObjectKey(chunk_hash, fingerprint, kv_rank, object_group_id=group_id)`. L1 is
-LMCache's CPU pool (pinned when CUDA is present) with LRU eviction; an optional
-local-disk L2 (`fs_native`) catches what L1 evicts. This is the same storage
-manager `lmcache server` runs, so nothing here is a home-made store.
+One LMCache object per (chunk, group): the group's KV_2LTD tensor plus a small
+integrity trailer (`integrity.py`), keyed by `ObjectKey(chunk_hash, namespace,
+kv_rank, object_group_id=group_id)`, where the namespace is the layout fingerprint
+plus a generation that `reset` changes. L1 is LMCache's CPU pool (pinned when CUDA is
+present); L2 tiers (local disk `fs_native`, Redis/Valkey `resp`, ...) sit behind it
+through LMCache's own adapters. Nothing here is a home-made store.
 
-Writes are two-phase: `reserve` every group's object of a chunk, fill them,
-`commit` them together (or `abort`): a chunk is stored for all groups or none.
-Reads pin objects with read locks until `release`, so eviction cannot pull KV
-from under a load.
+What may fail is done before a hit is offered, never during its load:
+- an L2 lookup is an asynchronous LMCache prefetch (`start_prefetch` / `poll`); its
+  objects are verified against their trailers when they land in L1, and a bad one is
+  dropped and never offered again by this process;
+- a hit is served only from objects pinned in L1 (`pin`), whose views are taken and
+  checked at pin time; the load then only copies memory.
+Writes are two-phase (`reserve` / `commit`): a chunk is stored for all the groups it
+carries or for none.
+
+Threads: `start_prefetch`, `poll`, `resident`, `pin`, `release` and `reset` run on
+the worker's lookup thread; `reserve`, `commit`, `abort` and `touch` on the model
+thread. LMCache's storage manager is thread-safe; each thread owns its own state here.
 """
 
 from __future__ import annotations
@@ -17,11 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+import os
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from . import integrity
 from .layout import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -32,16 +46,19 @@ ChunkKey = tuple[bytes, int]
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Sizes and tiers of the embedded store (`kv_connector_extra_config` keys)."""
+    """Sizes and tiers of one rank's embedded store."""
 
     cpu_bytes: int = 4 << 30
     disk_path: str | None = None
     disk_gb: float = 0.0
     l2_adapters: tuple[dict, ...] = ()
-    """More LMCache L2 tiers, as `lmcache server --l2-adapter` JSON objects (e.g.
-    {"type": "resp", ...} for Redis/Valkey, "fs_native" on a shared mount, "p2p")."""
+    """More LMCache L2 tiers, as `lmcache server --l2-adapter` JSON objects."""
     eviction_policy: str = "LRU"
-    lookup_timeout_s: float = 5.0
+    trigger_watermark: float = 0.97
+    """LMCache's background eviction starts here (its default, 0.8, left a fifth of the
+    tier unused); a write that finds no room evicts at once (`_evict_now`)."""
+    eviction_ratio: float = 0.03
+    verify_checksums: bool = True
 
     def adapter_specs(self) -> list[dict]:
         specs = list(self.l2_adapters)
@@ -54,6 +71,18 @@ class StoreConfig:
         return specs
 
 
+def set_lmcache_log_level(level: str) -> None:
+    """Keep LMCache's own logs (one INFO line per prefetch) at `level`. LMCache reads
+    LMCACHE_LOG_LEVEL when it creates a logger and gives each its own handler, so set
+    both the variable (for loggers still to come) and every existing one."""
+    os.environ["LMCACHE_LOG_LEVEL"] = level
+    for name, log in list(logging.Logger.manager.loggerDict.items()):
+        if name.startswith("lmcache") and isinstance(log, logging.Logger):
+            log.setLevel(level)
+            for handler in log.handlers:
+                handler.setLevel(level)
+
+
 def _lmcache():
     from lmcache.v1.distributed import api, config
     from lmcache.v1.distributed.storage_manager import StorageManager
@@ -62,94 +91,311 @@ def _lmcache():
 
 
 def object_layouts(layout: KVLayout, chunk_size: int) -> dict:
-    """LMCache's description of each group's object: one KV_2LTD tensor."""
+    """LMCache's description of each group's object: KV_2LTD tensor + trailer."""
     api, _, _ = _lmcache()
-    return {g.group_id: api.MemoryLayoutDesc(shapes=[torch.Size(g.chunk_shape(chunk_size))],
-                                            dtypes=[g.dtype])
-            for g in layout.groups}
+    return {g.group_id: api.MemoryLayoutDesc(
+        shapes=[torch.Size(g.chunk_shape(chunk_size)), torch.Size(integrity.SEAL_SHAPE)],
+        dtypes=[g.dtype, integrity.SEAL_DTYPE]) for g in layout.groups}
+
+
+@dataclass
+class Prefetch:
+    """L2 prefetch tasks in flight: (LMCache handle, rows of (group id, chunk hashes,
+    keys)), and once all have finished the (chunk hash, group) cells loaded from L2."""
+
+    tasks: list[tuple[object, list[tuple[int, list[bytes], list]]]]
+    keys: list
+    started: float
+    finished: bool = False
+    loaded: set[ChunkKey] = field(default_factory=set)
+    rejected: int = 0
+
+
+@dataclass
+class Pinned:
+    """Objects pinned for one hit: LMCache keys to release, views to load from."""
+
+    keys: list
+    views: dict[ChunkKey, torch.Tensor]
 
 
 class ChunkStore:
-    """KV_2LTD objects per (chunk, group) in an in-process LMCache storage manager."""
-
     def __init__(self, layout: KVLayout, fingerprint: str, chunk_size: int,
-                 config: StoreConfig = StoreConfig(), kv_rank: int = 0):
+                 config: StoreConfig = StoreConfig(), kv_rank: int = 0, stats=None):
         api, cfg, StorageManager = _lmcache()
-        self._api = api
-        self.layout, self.fingerprint, self.chunk_size = layout, fingerprint, chunk_size
-        self.kv_rank = kv_rank
-        self.config = config
         from lmcache.v1.distributed.l2_adapters import config as l2
 
-        # The same parser as `lmcache server --l2-adapter JSON`.
+        self._api = api
+        self.layout, self.fingerprint, self.chunk_size = layout, fingerprint, chunk_size
+        self.namespace = fingerprint
+        self.kv_rank, self.config = kv_rank, config
         adapters = config.adapter_specs()
-        self._has_l2 = bool(adapters)
+        self.has_l2 = bool(adapters)
+        # The same parser as `lmcache server --l2-adapter JSON`.
         l2_config = l2.parse_args_to_l2_adapters_config(argparse.Namespace(**{
             l2._L2_ADAPTER_ARG_DEST: [json.dumps(d) for d in adapters]}))
-
         self._sm = StorageManager(cfg.StorageManagerConfig(
             l1_manager_config=cfg.L1ManagerConfig(memory_config=cfg.L1MemoryManagerConfig(
                 size_in_bytes=config.cpu_bytes, use_lazy=False, shm_name="")),
-            eviction_config=cfg.EvictionConfig(eviction_policy=config.eviction_policy),
+            eviction_config=cfg.EvictionConfig(
+                eviction_policy=config.eviction_policy,
+                trigger_watermark=config.trigger_watermark,
+                eviction_ratio=config.eviction_ratio),
+            # Objects brought up from L2 stay in L1 (LMCache's default makes them
+            # read-once), so later hits on a shared prefix need no second L2 read.
+            prefetch_policy="retain",
             l2_adapter_config=l2_config))
         self._layouts = object_layouts(layout, chunk_size)
-        self._reserved: dict[bytes, list] = {}
+        self._groups = [g.group_id for g in layout.groups]
+        self._reserved: dict[bytes, list] = {}  # model thread
+        self._inflight: list[Prefetch] = []  # lookup thread
+        self._maybe_untrusted: Counter = Counter()  # keys an unpolled prefetch may load
+        self._bad: set = set()  # keys whose L2 copy failed verification
+        self.stats = stats  # metrics.Gemma4KVStats, if any
 
     # -- keys -------------------------------------------------------------------------
     def key(self, chunk_hash: bytes, group_id: int):
-        return self._api.ObjectKey(chunk_hash=chunk_hash, model_name=self.fingerprint,
+        return self._api.ObjectKey(chunk_hash=chunk_hash, model_name=self.namespace,
                                    kv_rank=self.kv_rank, object_group_id=group_id)
 
-    def _spec(self, group_id: int, keys, lock: bool):
+    def seal_key(self, chunk_hash: bytes, group_id: int, namespace: str | None = None) -> int:
+        """The integrity trailer's key value of an object."""
+        return integrity.key64(namespace or self.namespace, chunk_hash, group_id)
+
+    def _l1_prefetch(self, group_id: int, keys: list, lock: bool) -> list[int]:
+        """Indices of `keys` resident in L1 (read-locked if `lock`); L1 only, no wait."""
+        if not keys:
+            return []
         api = self._api
-        return api.PrefetchTaskSpec(
+        spec = api.PrefetchTaskSpec(
             key_groups=[api.GroupedObjectKeys(keys=keys, object_group_id=group_id,
                                               layout_desc=self._layouts[group_id])],
             fetching_policy="full",
             lock_mode=api.PrefetchLockMode.LOCK if lock else api.PrefetchLockMode.NO_LOCK)
+        result = self._sm.query_prefetch_status(
+            self._sm.submit_prefetch_task(spec, skip_l2=True))
+        return result.hit_cells[0].get_indices_list() if result else []
 
-    def _prefetch(self, group_id: int, keys, lock: bool) -> set[int]:
-        """Indices of `keys` resident in L1 (pulled up from disk first when there is one)."""
-        if not keys:
-            return set()
-        handle = self._sm.submit_prefetch_task(self._spec(group_id, keys, lock),
-                                               skip_l2=not self._has_l2)
-        if self._has_l2:
-            self._sm.wait_prefetch_status(handle, self.config.lookup_timeout_s)
-        result = self._sm.query_prefetch_status(handle)
-        return set(result.hit_cells[0].get_indices_list()) if result else set()
-
-    # -- lookup -----------------------------------------------------------------------
-    def present(self, hashes: Sequence[bytes]) -> dict[int, set[int]]:
-        """Per group id, the chunk indices whose object is stored."""
-        return {g.group_id: self._prefetch(g.group_id, [self.key(h, g.group_id) for h in hashes],
-                                           lock=False)
-                for g in self.layout.groups}
-
-    # -- write ------------------------------------------------------------------------
-    def reserve(self, chunk_hash: bytes) -> dict[int, torch.Tensor] | None:
-        """Empty objects to fill for every group of a chunk not stored yet.
-
-        Returns {} when the chunk is fully stored already, None when the store has no
-        room (nothing stays reserved then).
-        """
-        out, keys = {}, []
-        for g in self.layout.groups:
-            key = self.key(chunk_hash, g.group_id)
-            if self._prefetch(g.group_id, [key], lock=False):
-                continue
-            got = self._sm.reserve_write([key], self._layouts[g.group_id])
-            if key not in got:
-                self._discard(keys)
-                return None
-            keys.append(key)
-            out[g.group_id] = got[key].tensor
-        if keys:
-            self._reserved[chunk_hash] = keys
+    # -- lookup: L1 -------------------------------------------------------------------
+    def resident(self, hashes: Sequence[bytes]) -> dict[int, set[int]]:
+        """Per group id, the chunk indices whose object sits in L1 and may be offered
+        (not possibly brought up by an unverified prefetch, not known bad)."""
+        out = {}
+        for gid in self._groups:
+            keys = [self.key(h, gid) for h in hashes]
+            out[gid] = {i for i in self._l1_prefetch(gid, keys, lock=False)
+                        if keys[i] not in self._maybe_untrusted and keys[i] not in self._bad}
         return out
 
+    def pin(self, chunk_keys: Iterable[ChunkKey]) -> Pinned | None:
+        """Read-lock these objects in L1 and take views of their KV tensors; all or
+        nothing. An object that is missing, untrusted or of another shape is a miss."""
+        chunk_keys = list(chunk_keys)
+        locked: list = []
+        for gid in self._groups:
+            mine = [ck for ck in chunk_keys if ck[1] == gid]
+            keys = [self.key(h, gid) for h, _ in mine]
+            hits = self._l1_prefetch(gid, keys, lock=True)
+            locked += [keys[i] for i in hits]
+            if len(hits) != len(keys):
+                self._sm.finish_read_prefetched(locked)
+                return None
+        keys = [self.key(h, g) for h, g in chunk_keys]
+        if any(k in self._maybe_untrusted or k in self._bad for k in keys):
+            self._sm.finish_read_prefetched(locked)
+            return None
+        found = dict(zip(*self._sm.unsafe_read(keys)))
+        views = {}
+        for ck, k in zip(chunk_keys, keys):
+            obj = found.get(k)
+            want = self._layouts[ck[1]]
+            if obj is None or list(obj.get_shapes()) != list(want.shapes) \
+                    or list(obj.get_dtypes()) != list(want.dtypes):
+                logger.warning("gemma4-kv: stored object for group %d is missing or has "
+                               "another shape: treated as a miss", ck[1])
+                self._sm.finish_read_prefetched(locked)
+                return None
+            views[ck] = obj.get_tensor(0)
+        return Pinned(locked, views)
+
+    def release(self, pinned: Pinned | None) -> None:
+        if pinned is not None and pinned.keys:
+            self._sm.finish_read_prefetched(pinned.keys)
+            pinned.keys = []
+
+    def touch(self, chunk_keys: Sequence[ChunkKey]) -> None:
+        """Mark objects as used, in a prefix's chunk order: LMCache's LRU makes the first
+        key the most recent, so it evicts a prefix's tail before the head the tail
+        depends on, and a working set slightly larger than the tier still hits on most
+        of each prefix instead of on none."""
+        if chunk_keys:
+            self._sm.touch_l1_keys([self.key(h, g) for h, g in chunk_keys])
+
+    # -- lookup: L2 -------------------------------------------------------------------
+    def start_prefetch(self, hashes: Sequence[bytes], windows: dict[int, int]) -> Prefetch:
+        """Ask the L2 tiers for the longest prefix of `hashes` they can serve, without
+        waiting: LMCache loads what that prefix needs into L1 (`windows[group]`: the
+        trailing chunks a sliding group needs at a chunk end, -1 for full attention)."""
+        rows = [(gid, list(hashes)) for gid in self._groups]
+        return self._submit([(rows, "prefix", windows)])
+
+    def start_fetch(self, chunk_keys: Iterable[ChunkKey]) -> Prefetch:
+        """Ask the L2 tiers for exactly these objects (one LMCache task per group)."""
+        per_group: dict[int, list[bytes]] = {}
+        for h, gid in chunk_keys:
+            per_group.setdefault(gid, []).append(h)
+        return self._submit([([(gid, hs)], "full", {gid: -1}) for gid, hs in per_group.items()])
+
+    def _submit(self, tasks) -> Prefetch:
+        api = self._api
+        submitted, keys = [], []
+        for rows, policy, windows in tasks:
+            groups, keyed = [], []
+            for gid, hs in rows:
+                ks = [self.key(h, gid) for h in hs]
+                keys += ks
+                keyed.append((gid, hs, ks))
+                groups.append(api.GroupedObjectKeys(
+                    keys=ks, object_group_id=gid, layout_desc=self._layouts[gid],
+                    sliding_window_size=windows[gid] if policy == "prefix" else -1))
+            spec = api.PrefetchTaskSpec(key_groups=groups, fetching_policy=policy,
+                                        lock_mode=api.PrefetchLockMode.LOCK)
+            submitted.append((self._sm.submit_prefetch_task(spec), keyed))
+        p = Prefetch(submitted, keys, time.monotonic())
+        self._maybe_untrusted.update(keys)
+        self._inflight.append(p)
+        return p
+
+    def poll(self) -> None:
+        """Settle every finished prefetch: verify what it loaded from L2, drop what fails,
+        release its locks (also of prefetches whose lookup gave up waiting)."""
+        still = []
+        for p in self._inflight:
+            results = getattr(p, "_results", None) or [None] * len(p.tasks)
+            for i, (handle, _) in enumerate(p.tasks):
+                if results[i] is None:
+                    results[i] = self._sm.query_prefetch_status(handle)
+            p._results = results
+            if any(r is None for r in results):
+                still.append(p)
+                continue
+            self._settle(p, results)
+        self._inflight = still
+
+    def _settle(self, p: Prefetch, results) -> None:
+        locked, bad = [], []
+        for (_, rows), result in zip(p.tasks, results):
+            for row, (gid, hashes, keys) in enumerate(rows):
+                loaded = set(result.l2_hit_cells[row].get_indices_list())
+                for i in result.hit_cells[row].get_indices_list():
+                    key = keys[i]  # as submitted: the namespace may have changed since
+                    locked.append(key)
+                    if i in loaded:
+                        if self._verified(key, hashes[i], gid):
+                            p.loaded.add((hashes[i], gid))
+                        else:
+                            bad.append(key)
+        if locked:
+            self._sm.finish_read_prefetched(locked)
+        if bad:
+            self._bad.update(bad)
+            self._sm.delete_l1_keys(bad)
+            for adapter in self._l2():
+                adapter.delete(bad)
+            p.rejected = len(bad)
+            if self.stats is not None:
+                self.stats.add("rejected_objects", len(bad))
+            logger.warning("gemma4-kv: %d object(s) from an L2 tier failed verification "
+                           "(corrupt, truncated or foreign): dropped, recomputed instead",
+                           len(bad))
+        self._maybe_untrusted.subtract(p.keys)
+        self._maybe_untrusted += Counter()  # drop zero counts
+        p.finished = True
+
+    def _verified(self, key, chunk_hash: bytes, gid: int) -> bool:
+        if not self.config.verify_checksums:
+            return True
+        _, objs = self._sm.unsafe_read([key])
+        if not objs:
+            return False
+        obj = objs[0]
+        return integrity.verify(obj.get_tensor(0), obj.get_tensor(1),
+                                integrity.key64(key.model_name, chunk_hash, gid))
+
+    def _l2(self) -> list:
+        return [adapter for _, adapter in self._sm.l2_adapters()]
+
+    # -- write ------------------------------------------------------------------------
+    def reserve(self, chunks: Sequence[tuple[bytes, Sequence[int]]]
+                ) -> dict[ChunkKey, tuple[torch.Tensor, torch.Tensor, int]]:
+        """Empty objects to fill for `chunks` = [(chunk hash, group ids to store)], as
+        {(hash, group): (KV tensor, trailer tensor, trailer key)}. Objects already in
+        L1 are skipped; a chunk that cannot get all its missing objects gets none."""
+        wanted = {gid: [] for gid in self._groups}
+        for h, gids in chunks:
+            for gid in gids:
+                wanted[gid].append(h)
+        for gid, hs in wanted.items():
+            keys = [self.key(h, gid) for h in hs]
+            stored = set(self._l1_prefetch(gid, keys, lock=False))
+            wanted[gid] = [h for i, h in enumerate(hs) if i not in stored]
+        got: dict[ChunkKey, object] = {}
+        for gid, hs in wanted.items():
+            if hs:
+                got.update(self._reserve_group(gid, hs))
+        out = {}
+        for h, gids in chunks:
+            missing = [g for g in gids if h in wanted[g]]
+            if all((h, g) in got for g in missing):
+                if missing:
+                    self._reserved[h] = [self.key(h, g) for g in missing]
+                for g in missing:
+                    obj = got[(h, g)]
+                    out[(h, g)] = (obj.get_tensor(0), obj.get_tensor(1),
+                                   self.seal_key(h, g))
+            else:
+                self._discard([self.key(h, g) for g in missing if (h, g) in got])
+        return out
+
+    def _reserve_group(self, gid: int, hashes: list[bytes]) -> dict[ChunkKey, object]:
+        keys = [self.key(h, gid) for h in hashes]
+        got = self._sm.reserve_write(keys, self._layouts[gid])
+        need = self._object_bytes(gid)
+        for attempt in range(3):  # no room: evict now rather than wait for LMCache's tick
+            short = [k for k in keys if k not in got]
+            if not short or not self._evict_now(len(short) * need * 2 ** attempt):
+                break
+            got.update(self._sm.reserve_write(short, self._layouts[gid]))
+        return {(k.chunk_hash, gid): got[k] for k in keys if k in got}
+
+    def _object_bytes(self, gid: int) -> int:
+        want = self._layouts[gid]
+        return sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
+                   for s, d in zip(want.shapes, want.dtypes))
+
+    def _evict_now(self, nbytes: int) -> bool:
+        """Run one pass of LMCache's L1 eviction policy for about `nbytes`. LMCache evicts
+        only from a background loop once a second; this calls the same policy and action
+        on the same controller (private attributes of its StorageManager)."""
+        try:
+            controller = self._sm._eviction_controller
+            used, total = self._sm.get_l1_usage()
+            if used <= 0:
+                return False
+            ratio = min(1.0, 1.2 * nbytes / used + 0.01)
+            actions = controller._eviction_policy.get_eviction_actions(
+                ratio, key_eligible_filter=controller._l1_manager.is_key_evictable)
+            for action in actions:
+                controller.execute_eviction_action(action)
+            return bool(actions)
+        except AttributeError:  # another LMCache: fall back to its background loop
+            logger.warning("gemma4-kv: cannot evict on demand with this LMCache version")
+            return False
+
     def commit(self, chunk_hash: bytes) -> None:
-        self._sm.finish_write(self._reserved.pop(chunk_hash, []))
+        keys = self._reserved.pop(chunk_hash, [])
+        self._sm.finish_write(keys)
+        self._bad.difference_update(keys)  # a fresh copy replaces one that failed
 
     def abort(self, chunk_hash: bytes) -> None:
         self._discard(self._reserved.pop(chunk_hash, []))
@@ -159,41 +405,15 @@ class ChunkStore:
             # LMCache has no public abort; this is what its own prefetch controller calls.
             self._sm._l1_manager.finish_write_and_delete(keys, tag="storage_manager")
 
-    # -- read -------------------------------------------------------------------------
-    def lock(self, chunk_keys: Sequence[ChunkKey]) -> bool:
-        """Pin these objects against eviction; all or nothing."""
-        locked = []
-        for g in self.layout.groups:
-            keys = [self.key(h, gid) for h, gid in chunk_keys if gid == g.group_id]
-            hits = self._prefetch(g.group_id, keys, lock=True)
-            locked += [keys[i] for i in hits]
-            if len(hits) != len(keys):
-                self._sm.finish_read_prefetched(locked)
-                return False
+    # -- misc -------------------------------------------------------------------------
+    def reset(self) -> bool:
+        """Make everything stored so far unreachable: a new generation in every key, so
+        nothing of the old one can be found in any tier, and L1 cleared of it (objects
+        still pinned by a load in flight stay until released)."""
+        self.namespace = f"{self.fingerprint}-g{uuid.uuid4().hex[:12]}"
+        self._sm.clear(force=False)
         return True
 
-    def read(self, chunk_keys: Sequence[ChunkKey]) -> list[torch.Tensor] | None:
-        """Views of locked objects (valid until `release`), or None if any is missing or
-        does not have the shape and dtype this layout expects."""
-        keys = [self.key(h, gid) for h, gid in chunk_keys]
-        found = dict(zip(*self._sm.unsafe_read(keys)))
-        if any(k not in found for k in keys):
-            return None
-        tensors = [found[k].tensor for k in keys]
-        for (h, gid), t in zip(chunk_keys, tensors):
-            want = self._layouts[gid]
-            if tuple(t.shape) != tuple(want.shapes[0]) or t.dtype != want.dtypes[0]:
-                logger.warning("stored object for group %d has %s %s, expected %s %s: "
-                               "treated as a miss", gid, tuple(t.shape), t.dtype,
-                               tuple(want.shapes[0]), want.dtypes[0])
-                return None
-        return tensors
-
-    def release(self, chunk_keys: Sequence[ChunkKey]) -> None:
-        if chunk_keys:
-            self._sm.finish_read_prefetched([self.key(h, gid) for h, gid in chunk_keys])
-
-    # -- misc -------------------------------------------------------------------------
     def usage(self) -> tuple[int, int]:
         """(used, total) bytes of the CPU tier."""
         return self._sm.get_l1_usage()
