@@ -15,7 +15,9 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                               KVConnectorRole, SupportsHMA)
 
+from .metrics import Gemma4KVPromMetrics, Gemma4KVStats
 from .settings import ConnectorSettings
+from .store import set_lmcache_log_level
 
 
 class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -23,6 +25,7 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         settings = ConnectorSettings.from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config)
+        set_lmcache_log_level(settings.lmcache_log_level)
         self._scheduler = self._worker = None
         if role == KVConnectorRole.SCHEDULER:
             from .scheduler import ConnectorScheduler
@@ -32,6 +35,12 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
             from .worker import ConnectorWorker
 
             self._worker = ConnectorWorker(vllm_config, kv_cache_config, settings)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Loads wait per layer (`wait_for_layer_load`), which a full CUDA graph replays
+        without calling: vLLM must run piecewise graphs, with Python between layers."""
+        return True
 
     # -- scheduler side ---------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
@@ -44,6 +53,13 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int):
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        host, l2 = self._scheduler.hit_sources(request, num_external_tokens)
+        sources = {CacheHitSource.HOST: host, CacheHitSource.DISK: l2}
+        return {k: v for k, v in sources.items() if v}
+
     def build_connector_meta(self, scheduler_output):
         return self._scheduler.build_connector_meta(scheduler_output)
 
@@ -52,6 +68,9 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request)
+
+    def reset_cache(self) -> bool | None:
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
 
     # -- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
@@ -72,11 +91,20 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids):
         return self._worker.get_finished()
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.get_block_ids_with_load_errors()
+    def get_kv_connector_stats(self):
+        return self._worker.get_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return Gemma4KVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return Gemma4KVPromMetrics(vllm_config, metric_types, labelnames,
+                                   per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
         if self._scheduler is not None:
-            self._scheduler.client.close()
+            self._scheduler.close()

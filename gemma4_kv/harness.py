@@ -5,13 +5,24 @@ vLLM's engine processes start from a clean `__main__`:
 
     python -m gemma4_kv.harness SPEC.json OUT.json
 
-SPEC: {"model": dir, "prompts": [[token ids], ...], "connector": bool,
+SPEC: {"model": dir, "connector": bool,
        "connector_class"/"connector_module": another connector (tests),
        "extra_config": {...}, "engine": {extra vllm.LLM kwargs}, "max_tokens": 8,
-       "speculative_config": {...} | null,
+       "speculative_config": {...} | null, "loras": {name: adapter dir},
        "preload": [modules whose install() runs before the engine starts, e.g. stand-ins
-                   for compiled vLLM ops missing on the GPU machine]}
-OUT:  {"outputs": [[token ids]], "cached": [num_cached_tokens], "ttft": [s], ...}
+                   for compiled vLLM ops missing on the GPU machine],
+       "prompts": [PROMPT, ...]            sent one at a time: later ones hit earlier ones
+       "steps": [STEP, ...]}               or a script of steps (instead of "prompts"):
+STEP:  {"prompts": [PROMPT, ...], "batch": bool (all in flight at once),
+        "max_tokens": n} | {"call": "module:function", "kwargs": {...}} (run on every
+        worker through collective_rpc: fault injection, weight updates) | {"reset": true}
+        (llm.reset_prefix_cache(reset_connector=True))
+PROMPT: [token ids] | {"tokens": [...], "lora": name, "salt": str,
+        "embeds": {"seed": s, "rows": [lo, hi]}} (rows lo..hi-1 given as random
+        embeddings of that seed instead of token ids)
+OUT:  {"outputs": [[token ids]], "cached": [num_cached_tokens], "ttft": [s],
+       "steps": [{"outputs", "cached", "ttft"} | {"result"}], ...} (outputs, cached and
+       ttft of every prompt of every step, in order)
 """
 
 from __future__ import annotations
@@ -91,7 +102,7 @@ def shim_kwargs() -> dict:
 def run(spec: dict) -> dict:
     import importlib
 
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     for name in spec.get("preload", []):
         importlib.import_module(name).install()  # the forked engine core inherits it
@@ -108,21 +119,107 @@ def run(spec: dict) -> dict:
             spec.get("extra_config", {}), role=spec.get("kv_role", "kv_both"),
             connector=spec.get("connector_class", "Gemma4KVConnector"),
             module=spec.get("connector_module", "gemma4_kv.connector"))
+    if spec.get("loras"):
+        kwargs.setdefault("enable_lora", True)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     startup = time.perf_counter() - t0
-    sp = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0,
-                        ignore_eos=True, detokenize=False)
-    out = {"outputs": [], "cached": [], "ttft": [], "startup_s": startup}
-    for tokens in spec["prompts"]:  # one at a time: later prompts hit earlier ones
+    if kwargs["load_format"] == "dummy":
+        llm.collective_rpc(sharpen_dummy_weights)
+    out = {"outputs": [], "cached": [], "ttft": [], "startup_s": startup, "steps": []}
+    steps = spec.get("steps") or [{"prompts": spec["prompts"]}]
+    for step in steps:
+        if "call" in step:
+            module, name = step["call"].split(":")
+            fn = getattr(importlib.import_module(module), name)
+            result = llm.collective_rpc(fn, kwargs=step.get("kwargs", {}))
+            out["steps"].append({"result": result})
+        elif step.get("reset"):
+            out["steps"].append({"result": llm.reset_prefix_cache(reset_connector=True)})
+        else:
+            out["steps"].append(_generate(llm, spec, step, out))
+    return out
+
+
+def _generate(llm, spec: dict, step: dict, out: dict) -> dict:
+    """One step's prompts, one at a time (later ones may hit earlier ones) or in one
+    batch (all in flight together)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=step.get("max_tokens", spec.get("max_tokens", 8)),
+                        temperature=0.0, ignore_eos=True, detokenize=False)
+    prompts = [_prompt(p, spec, llm) for p in step["prompts"]]
+    res = {"outputs": [], "cached": [], "ttft": []}
+    groups = [prompts] if step.get("batch") else [[p] for p in prompts]
+    for group in groups:
         t = time.perf_counter()
-        res = llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)[0]
-        out["ttft"].append(time.perf_counter() - t)  # = TTFT when max_tokens is 1
-        out["outputs"].append(list(res.outputs[0].token_ids))
-        out["cached"].append(res.num_cached_tokens)
+        loras = [lora for _, lora in group]
+        results = llm.generate([p for p, _ in group], sp, use_tqdm=False,
+                               lora_request=loras if any(loras) else None)
+        wall = time.perf_counter() - t
+        for r in results:
+            res["outputs"].append(list(r.outputs[0].token_ids))
+            res["cached"].append(r.num_cached_tokens)
+            first = getattr(r.metrics, "first_token_latency", None) if r.metrics else None
+            res["ttft"].append(first or wall)  # = TTFT when max_tokens is 1
         if spec.get("speculative_config"):
             out.setdefault("spec_decode", []).append(_spec_counters(llm))
-    return out
+    for k in ("outputs", "cached", "ttft"):
+        out[k] += res[k]
+    return res
+
+
+def _prompt(p, spec: dict, llm):
+    """(vLLM prompt, LoRA request) of a PROMPT."""
+    if isinstance(p, list):
+        return {"prompt_token_ids": p}, None
+    prompt = {"prompt_token_ids": p["tokens"]}
+    if p.get("salt"):
+        prompt["cache_salt"] = p["salt"]
+    if p.get("embeds"):
+        import torch
+
+        lo, hi = p["embeds"]["rows"]
+        hidden = llm.llm_engine.model_config.get_hidden_size()
+        embeds = torch.zeros(len(p["tokens"]), hidden)
+        gen = torch.Generator().manual_seed(p["embeds"]["seed"])
+        embeds[lo:hi] = torch.randn(hi - lo, hidden, generator=gen)
+        prompt["prompt_embeds"] = embeds
+        prompt["prompt_is_token_ids"] = [not lo <= i < hi for i in range(len(p["tokens"]))]
+    lora = None
+    if p.get("lora"):
+        from vllm.lora.request import LoRARequest
+
+        names = sorted(spec["loras"])
+        lora = LoRARequest(p["lora"], names.index(p["lora"]) + 1, spec["loras"][p["lora"]])
+    return prompt, lora
+
+
+def sharpen_dummy_weights(worker) -> int:
+    """collective_rpc target. vLLM's dummy weights are U(-1e-3, 1e-3) for everything,
+    Gemma 4's per-layer `layer_scalar` and its RMSNorm weights included, so each layer
+    scales the residual by ~1e-3 and greedy tokens depend on little but the last few
+    prompt tokens: a wrong hit would go unseen. Norms and scalars set to 1 make every
+    position count."""
+    n = 0
+    model = worker.model_runner.model
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.endswith("layer_scalar") or name.endswith("norm.weight"):
+            t.data.fill_(1.0)
+            n += 1
+    return n
+
+
+def perturb_weights(worker, name: str = "model.layers.0.self_attn.k_norm.weight",
+                    seed: int = 7, scale: float = 0.5) -> float:
+    """collective_rpc target: change one weight in place, as an RL weight update does
+    (norm weights: on CPU, linear weights are repacked and their `.weight` is empty)."""
+    import torch
+
+    p = dict(worker.model_runner.model.named_parameters())[name]
+    gen = torch.Generator().manual_seed(seed)
+    p.data.add_(torch.randn(p.shape, generator=gen).to(p.dtype) * scale)
+    return float(p.data.abs().mean())
 
 
 def _spec_counters(llm) -> dict:
@@ -135,6 +232,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec = json.loads(Path(argv[0]).read_text())
     os.environ.setdefault("PYTHONHASHSEED", "0")
+    # collective_rpc with functions (sharpen_dummy_weights, fault injection in tests)
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     result = run(spec)
     Path(argv[1]).write_text(json.dumps(result))
     return 0

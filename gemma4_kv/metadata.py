@@ -20,15 +20,27 @@ class LoadRequest:
 
 @dataclass
 class SaveRequest:
-    """Store chunks `first_chunk ..` of a request (their tokens are computed this step)."""
+    """Store chunks `first_chunk ..` of a request (their tokens are computed this step):
+    chunk `first_chunk + i` has hash `hashes[i]` and is stored for `groups[i]` (every
+    full-attention group; sliding groups only where a hit can end)."""
 
     req_id: str
     first_chunk: int
     hashes: list[bytes]
+    groups: list[tuple[int, ...]]
     block_ids: tuple[list[int], ...]
+
+
+@dataclass
+class TouchRequest:
+    """A finished request's stored chunks (chunk order), to mark as used (head most recent)."""
+
+    hashes: list[bytes]
+    groups: list[tuple[int, ...]]
 
 
 @dataclass
 class Gemma4KVMetadata(KVConnectorMetadata):
     loads: list[LoadRequest] = field(default_factory=list)
     saves: list[SaveRequest] = field(default_factory=list)
+    touches: list[TouchRequest] = field(default_factory=list)

@@ -31,6 +31,8 @@ class BlockMoves:
     block_ids: torch.Tensor
     chunk_index: torch.Tensor
     slots: torch.Tensor
+    max_slot: int | None = None
+    """Largest slot, known on the host when built from a plan (no device sync to check)."""
 
     @classmethod
     def from_chunks(cls, chunk_blocks: Sequence[ChunkBlocks],
@@ -41,7 +43,8 @@ class BlockMoves:
         t = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).t().contiguous()
         if torch.device(device).type == "cuda":
             t = t.pin_memory().to(device, non_blocking=True)
-        return cls(t[0], t[1], t[2])  # each row contiguous: the kernel indexes them flat
+        # each row contiguous: the kernel indexes them flat
+        return cls(t[0], t[1], t[2], max((r[2] for r in rows), default=-1))
 
     def __len__(self) -> int:
         return self.block_ids.numel()
@@ -74,7 +77,10 @@ def _check(group: KVGroup, caches: Sequence[torch.Tensor], chunks: Sequence[torc
         if tuple(ch.shape) != group.chunk_shape(tokens) or ch.dtype != group.dtype:
             raise ValueError(f"chunk object {tuple(ch.shape)} {ch.dtype} does not match "
                              f"group {group.group_id}: {group.chunk_shape(tokens)} {group.dtype}")
-    if len(moves) and int(moves.slots.max()) >= tokens // group.block_size:
+    if not len(moves):
+        return
+    top = moves.max_slot if moves.max_slot is not None else int(moves.slots.max())
+    if top >= tokens // group.block_size:
         raise ValueError("a block slot lies outside the chunk object")
 
 
@@ -142,14 +148,19 @@ def scatter_by_layer(group: KVGroup, caches: Sequence[torch.Tensor],
                 scatter(group, caches, chunks, moves)
                 done.append(position)
         return load_all
+    copy = _block_copy(group, caches, chunks, moves, num_programs, to_chunk=False)
+    return lambda position: copy.launch(range(position, position + 1))
+
+
+def _block_copy(group, caches, chunks, moves, num_programs, *, to_chunk: bool):
+    """The checked Triton launch between a group's caches and chunk objects."""
     from gemma4_kv.kernels import BlockCopy
 
     _check(group, caches, chunks, moves)
     kw = {} if num_programs is None else {"num_programs": num_programs}
-    copy = BlockCopy(caches, chunks, moves.block_ids, moves.chunk_index, moves.slots,
+    return BlockCopy(caches, chunks, moves.block_ids, moves.chunk_index, moves.slots,
                      block_size=group.block_size, head_size=group.head_size,
-                     to_chunk=False, **kw)
-    return lambda position: copy.launch(range(position, position + 1))
+                     to_chunk=to_chunk, **kw)
 
 
 def _move(group, caches, chunks, moves, num_programs, *, to_chunk: bool) -> None:
@@ -158,10 +169,4 @@ def _move(group, caches, chunks, moves, num_programs, *, to_chunk: bool) -> None
     if not _use_triton(caches, group):
         (torch_gather if to_chunk else torch_scatter)(group, caches, chunks, moves)
         return
-    from gemma4_kv.kernels import copy_blocks
-
-    _check(group, caches, chunks, moves)
-    kw = {} if num_programs is None else {"num_programs": num_programs}
-    copy_blocks(caches, chunks, moves.block_ids, moves.chunk_index, moves.slots,
-                block_size=group.block_size, head_size=group.head_size,
-                to_chunk=to_chunk, **kw)
+    _block_copy(group, caches, chunks, moves, num_programs, to_chunk=to_chunk).launch()

@@ -34,7 +34,7 @@ class Repin(msgspec.Struct, tag=True, frozen=True):
 
 
 class Release(msgspec.Struct, tag=True, frozen=True):
-    """Drop whatever request `req_id` has pinned."""
+    """Drop whatever request `req_id` has pinned or is prefetching (it ended)."""
 
     req_id: str
 

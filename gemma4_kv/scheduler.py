@@ -1,32 +1,67 @@
 """Scheduler half of the connector: how many tokens are cached, what to load and save.
 
-Runs in vLLM's engine core. It sees token ids and block ids; the bytes live in the
-worker processes, which it asks through `lookup.LookupClient`.
+Runs in vLLM's engine core. It sees requests and block ids; the bytes live in the
+worker ranks, which it asks over `lookup.LookupClient` in `protocol` messages. A
+lookup is answered by every rank with the hit it pinned and every hit it could serve;
+the scheduler offers the longest hit all ranks can serve and makes every rank pin
+exactly that (`Repin`). A rank still asking an L2 tier answers `pending`, and vLLM is
+told to ask again next step (None), so a slow tier never stalls the scheduler.
+
+What is stored: every completed chunk of full-attention groups; sliding-window groups
+only in the windows before the hits a request can serve later (`plan.hit_ends`: its
+prompt's end and every `retention_interval` tokens), and for generated tokens; see
+`_groups_to_store`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import struct
+import time
 from dataclasses import dataclass, field
 
-from .keys import chunk_hashes
-from .layout import from_vllm
-from .lookup import LookupClient, socket_path
-from .metadata import Gemma4KVMetadata, LoadRequest, SaveRequest
-from .plan import check_chunk_size
+from . import protocol
+from .keys import engine_identity
+from .layout import AttentionKind, from_vllm
+from .lookup import LookupClient, socket_address
+from .metadata import Gemma4KVMetadata, LoadRequest, SaveRequest, TouchRequest
+from .plan import check_chunk_size, hit_ends, retained_chunks
+from .request_keys import ChunkKeys, RequestKeyer, Uncacheable, mm_identifiers_are_content_hashes
 from .settings import ConnectorSettings
 
 logger = logging.getLogger(__name__)
 
 
+RANK_TIMEOUT_S = 2.0
+"""A worker rank that has not answered a lookup in this long counts as a miss, and
+lookups are skipped for `RANK_BACKOFF_S` (the scheduler must not stall on it)."""
+RANK_BACKOFF_S = 10.0
+
+
 @dataclass
 class _Request:
-    tokens: list[int]
-    hashes: list[bytes]
+    request: object
+    keys: ChunkKeys
+    prompt_len: int
     next_chunk: int = 0
     """First chunk not yet stored or loaded."""
-    hit: tuple[int, int] | None = field(default=None)
+    hit: tuple[int, int] | None = None
     """(start, hit) of a lookup whose objects the workers hold pinned."""
+    from_l2: int = 0
+    asked: bool = False
+    """A lookup reached the workers: they may hold pins or a prefetch for it."""
+    stored: list[tuple[int, ...]] = field(default_factory=list)
+    """Groups stored for each chunk so far (to touch them when the request ends)."""
+
+
+def drafts_own_kv(vllm_config, layout) -> bool:
+    """Whether a draft model's attention layers own KV in the groups: more layers own KV
+    than the target model has (its layers minus the KV-shared ones)."""
+    text = vllm_config.model_config.hf_text_config
+    target = text.num_hidden_layers - (getattr(text, "num_kv_shared_layers", 0) or 0)
+    return sum(len(g.layers) for g in layout.groups) > target
 
 
 class ConnectorScheduler:
@@ -34,6 +69,7 @@ class ConnectorScheduler:
         self.layout = from_vllm(kv_cache_config)
         self.chunk_size = settings.chunk_size
         check_chunk_size(self.layout, self.chunk_size)
+        self.settings = settings
         for g in self.layout.groups:
             if g.window is not None and g.window < self.chunk_size:
                 logger.warning(
@@ -43,39 +79,100 @@ class ConnectorScheduler:
                     g.window, self.chunk_size, g.window)
         ktc = vllm_config.kv_transfer_config
         self.can_load, self.can_save = ktc.is_kv_consumer, ktc.is_kv_producer
+        unsafe = engine_identity(vllm_config, weights_id=settings.weights_id).unsafe
+        if unsafe:
+            logger.warning("gemma4-kv: nothing is stored or loaded: %s", unsafe)
+            self.can_load = self.can_save = False
+        spec = vllm_config.speculative_config
+        # EAGLE-style drafts that own KV compute a position's draft KV from the next
+        # token: a chunk's key then covers one token more, and generated chunks are
+        # stored only once no later step can rewrite them. (Gemma 4 assistants own no
+        # KV: their layers read the target's, so nothing changes for them.)
+        self.draft_lookahead = int(spec is not None and drafts_own_kv(vllm_config,
+                                                                     self.layout))
+        self.decode_margin = (spec.num_speculative_tokens + 1) if self.draft_lookahead else 0
         world = vllm_config.parallel_config.tensor_parallel_size
-        self.client = LookupClient([socket_path(ktc.engine_id, r) for r in range(world)])
+        self.client = LookupClient([socket_address(ktc.engine_id, os.getpid(), r)
+                                    for r in range(world)],
+                                   timeout_ms=int(RANK_TIMEOUT_S * 1000))
+        self._ranks_down_until = 0.0
+        self.keyer = RequestKeyer(self.chunk_size,
+                                  mm_content_hashed=mm_identifiers_are_content_hashes(vllm_config))
         self.kv_cache_manager = None  # bound by vLLM (bind_kv_cache_manager)
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadRequest] = []
+        self._touches: list[TouchRequest] = []
 
     def _state(self, request) -> _Request | None:
+        """The request's keys (refreshed after a reset), or None if it is not cached."""
         st = self._requests.get(request.request_id)
-        if st is None and request.prompt_token_ids is not None:
-            tokens = list(request.prompt_token_ids)
-            st = _Request(tokens, chunk_hashes(tokens, self.chunk_size,
-                                               getattr(request, "cache_salt", None)))
-            self._requests[request.request_id] = st
+        keys = self.keyer.refresh(st.keys, request) if st else \
+            self.keyer.keys(request, request.num_prompt_tokens)
+        if isinstance(keys, Uncacheable):
+            self._requests.pop(request.request_id, None)
+            logger.debug("gemma4-kv: request %s is not cached: %s", request.request_id,
+                         keys.reason)
+            return None
+        if st is None:
+            st = self._requests[request.request_id] = _Request(
+                request, keys, request.num_prompt_tokens)
+        st.keys = keys
         return st
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        st = self._state(request)
-        if st is None or not self.can_load:
+    def _hashes(self, st: _Request, num_tokens: int) -> list[bytes]:
+        """Keys of the first `num_tokens // chunk_size` chunks. With drafts that own KV,
+        chunk c's key also names token (c + 1) * chunk_size (its last position's draft
+        KV was computed from it)."""
+        st.keys.extend(st.request, num_tokens)
+        n = num_tokens // self.chunk_size
+        hashes = st.keys.hashes[:n]
+        if self.draft_lookahead:
+            tokens = st.request.all_token_ids
+            hashes = [hashlib.sha256(h + struct.pack("<q", tokens[(c + 1) * self.chunk_size]))
+                      .digest() for c, h in enumerate(hashes)]
+        return hashes
+
+    # -- lookups ----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        st = self._state(request) if self.can_load or self.can_save else None
+        if st is None or not self.can_load or getattr(request, "skip_reading_prefix_cache",
+                                                      False):
             return 0, False
         self._release(request.request_id, st)
         # At least one prompt token must be computed by vLLM (it needs its logits); a
         # hit ends on a boundary of every group's blocks, possibly inside a chunk.
         m = self.layout.chunk_multiple
-        limit = min(len(st.hashes) * self.chunk_size, (len(st.tokens) - 1) // m * m)
-        if limit <= num_computed_tokens:
+        full = (st.prompt_len - self.draft_lookahead) // self.chunk_size * self.chunk_size
+        hashes = self._hashes(st, full)
+        limit = min(full, (st.prompt_len - 1) // m * m)
+        if limit <= num_computed_tokens or time.monotonic() < self._ranks_down_until:
             return 0, False
-        replies = self.client.ask_all("lookup", request.request_id, st.hashes,
-                                      num_computed_tokens, limit)
-        hit = min(replies) if replies else 0
+        replies = self.client.ask_all(protocol.Lookup(request.request_id, hashes,
+                                                      num_computed_tokens, limit))
+        if replies is None or any(not isinstance(r, protocol.LookupReply) for r in replies):
+            logger.warning("gemma4-kv: a worker rank did not answer a lookup; no lookups "
+                           "for %.0f s", RANK_BACKOFF_S)
+            self._ranks_down_until = time.monotonic() + RANK_BACKOFF_S
+            self._release_all(request.request_id)
+            return 0, False
+        st.asked = True
+        if any(r.pending for r in replies):
+            # An L2 tier is being asked: vLLM asks again next step (a rank that answered
+            # already releases its pins when asked again, or when the request ends).
+            return None, False
+        common = set(replies[0].candidates).intersection(*(r.candidates for r in replies))
+        hit = max(common, default=0)
         if hit <= num_computed_tokens:
-            self.client.ask_all("release", request.request_id)
+            self._release_all(request.request_id)
             return 0, False
+        if any(r.pinned != hit for r in replies):
+            done = self.client.ask_all(protocol.Repin(request.request_id, hashes,
+                                                      num_computed_tokens, hit))
+            if done is None or not all(isinstance(d, protocol.Done) and d.ok for d in done):
+                self._release_all(request.request_id)
+                return 0, False
         st.hit = (num_computed_tokens, hit)
+        st.from_l2 = min(replies[0].from_l2, hit - num_computed_tokens)
         return hit - num_computed_tokens, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -90,14 +187,22 @@ class ConnectorScheduler:
             raise RuntimeError(f"vLLM allocated {num_external_tokens} external tokens after "
                                f"{start}, the connector offered up to {hit}")
         st.hit = None  # the worker releases the pins once loaded
+        n = -(-hit // self.chunk_size)
         st.next_chunk = max(st.next_chunk, hit // self.chunk_size)
         self._loads.append(LoadRequest(request.request_id, start, hit,
-                                       st.hashes[:-(-hit // self.chunk_size)],
+                                       self._hashes(st, n * self.chunk_size),
                                        tuple(list(b) for b in blocks.get_block_ids())))
 
+    def hit_sources(self, request, num_external_tokens: int) -> tuple[int, int]:
+        """(tokens from the CPU tier, tokens brought up from an L2 tier) of a hit."""
+        st = self._requests.get(request.request_id)
+        l2 = min(st.from_l2, num_external_tokens) if st else 0
+        return num_external_tokens - l2, l2
+
+    # -- saves ------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> Gemma4KVMetadata:
-        meta = Gemma4KVMetadata(loads=self._loads)
-        self._loads = []
+        meta = Gemma4KVMetadata(loads=self._loads, touches=self._touches)
+        self._loads, self._touches = [], []
         if not self.can_save:
             return meta
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
@@ -107,25 +212,77 @@ class ConnectorScheduler:
             st = self._requests.get(req_id)
             if st is None or req_id not in computed:
                 continue
-            done = min(computed[req_id] + scheduled, len(st.tokens)) // self.chunk_size
-            done = min(done, len(st.hashes))
+            if self._state(st.request) is None:  # reset while in flight: stop saving
+                continue
+            done = self._chunks_done(st, computed[req_id], scheduled)
             if done <= st.next_chunk:
                 continue
             # The live block table: out-of-window sliding blocks are the null block here,
             # and their old ids may already belong to another request.
             block_ids = tuple(list(b) for b in self.kv_cache_manager.get_block_ids(req_id))
-            meta.saves.append(SaveRequest(req_id, st.next_chunk,
-                                          st.hashes[st.next_chunk:done], block_ids))
+            hashes = self._hashes(st, done * self.chunk_size)[st.next_chunk:done]
+            groups = [self._groups_to_store(st, c) for c in range(st.next_chunk, done)]
+            meta.saves.append(SaveRequest(req_id, st.next_chunk, hashes, groups, block_ids))
+            st.stored += [()] * (st.next_chunk - len(st.stored)) + groups
             st.next_chunk = done
         return meta
 
+    def _chunks_done(self, st: _Request, computed: int, scheduled: int) -> int:
+        """Chunks whose KV is final after this step: prompt chunks this step computes,
+        and (with `save_decode_tokens`) generated chunks computed in earlier steps."""
+        known = len(st.request.all_token_ids) - self.draft_lookahead
+        prompt = min(computed + scheduled, st.prompt_len, known)
+        done = prompt // self.chunk_size
+        if self.settings.save_decode_tokens and computed >= st.prompt_len:
+            done = max(done, min(computed - self.decode_margin, known) // self.chunk_size)
+        return done
+
+    def _groups_to_store(self, st: _Request, chunk: int) -> tuple[int, ...]:
+        """Full groups always; sliding groups where a later hit can end (`hit_ends`)."""
+        if chunk >= st.prompt_len // self.chunk_size:  # generated tokens: the end is open
+            return tuple(g.group_id for g in self.layout.groups)
+        if not hasattr(st, "retained"):
+            m = self.layout.chunk_multiple
+            n = st.prompt_len // self.chunk_size
+            ends = hit_ends(n, self.chunk_size, (st.prompt_len - 1) // m * m,
+                            self.settings.retention_interval)
+            st.retained = {g.group_id: retained_chunks(g, self.chunk_size, ends)
+                           for g in self.layout.groups if g.kind is AttentionKind.SLIDING}
+        return tuple(g.group_id for g in self.layout.groups
+                     if g.kind is AttentionKind.FULL or chunk in st.retained[g.group_id])
+
+    # -- end of a request, reset --------------------------------------------------------
     def request_finished(self, request) -> tuple[bool, None]:
         st = self._requests.pop(request.request_id, None)
         if st is not None:
-            self._release(request.request_id, st)
+            if st.asked:
+                st.hit = None
+                self._release_all(request.request_id)
+            n = min(len(st.stored), st.next_chunk)
+            if n:
+                self._touches.append(TouchRequest(self._hashes(st, n * self.chunk_size),
+                                                  st.stored[:n]))
         return False, None
+
+    def reset_cache(self) -> bool:
+        """Every rank makes what it stored unreachable (new generation in its keys)."""
+        for req_id, st in self._requests.items():
+            self._release(req_id, st)
+        self.keyer.reset()
+        replies = self.client.ask_all(protocol.Reset())
+        ok = replies is not None and all(isinstance(r, protocol.Done) and r.ok
+                                         for r in replies)
+        if not ok:
+            logger.error("gemma4-kv: a worker rank did not reset its store")
+        return ok
 
     def _release(self, req_id: str, st: _Request) -> None:
         if st.hit is not None:
             st.hit = None
-            self.client.ask_all("release", req_id)
+            self._release_all(req_id)
+
+    def _release_all(self, req_id: str) -> None:
+        self.client.ask_all(protocol.Release(req_id))
+
+    def close(self) -> None:
+        self.client.close()

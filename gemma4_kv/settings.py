@@ -370,6 +370,10 @@ class ConnectorSettings:
     model_id: str | None = _key(
         None, "name of the model in the key fingerprint; set it when one model is served "
         "under several paths", _text(optional=True), shown="vLLM's model path")
+    weights_id: str | None = _key(
+        None, "identity of the checkpoint's weights in the key fingerprint (default: the "
+        "weight files' names, sizes and modification times); set it to share KV between "
+        "copies of one checkpoint", _text(optional=True), shown="the weight files' stat")
     stats_file: str | None = _key(
         None, "append one JSON line per lookup, load and save (bytes and blocks per group); "
         "its directory must exist", _stats_file)
@@ -380,7 +384,9 @@ class ConnectorSettings:
         4096, "tokens between stored sliding-window chunks (a multiple of `chunk_size`); "
         "0 = store sliding-window chunks for every chunk", _integer(0))
     staging_mb: int = _key(
-        512, "MiB of GPU staging memory for saves (>= 16)", _integer(16))
+        2048, "MiB of GPU memory for staged saves, allocated once per rank outside vLLM's "
+        "memory budget (>= 16); saves beyond it write pinned memory directly (slower)",
+        _integer(16))
     verify_checksums: bool = _key(
         True, "verify each object's checksum when it comes up from an L2 tier", _boolean)
     save_decode_tokens: bool = _key(
@@ -443,7 +449,7 @@ class ConnectorSettings:
         return StoreConfig(cpu_bytes=int(self.cpu_gb * GiB) // ranks,
                            disk_path=self.disk_path, disk_gb=self.disk_gb / ranks,
                            l2_adapters=tuple(copy.deepcopy(self.l2_adapters)),
-                           lookup_timeout_s=self.lookup_timeout_s)
+                           verify_checksums=self.verify_checksums)
 
 
 def _unknown(unknown: list, known: list[str]) -> SettingsError:

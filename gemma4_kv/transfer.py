@@ -4,10 +4,13 @@ CPU (and any non-CUDA device): the torch mover copies straight into / out of the
 store's objects (`load`, `save`).
 
 CUDA:
-- save = staged: the Triton kernel gathers all chunks of a group into a device
-  staging buffer at device bandwidth (a short burst of SM time), then a side stream
-  copies each chunk object to the store's pinned memory by DMA (no SMs) while the
-  model keeps computing. The objects are committed when the copy's event has fired.
+- save = staged: the Triton kernel gathers all chunks of a group into a region of the
+  fixed staging buffer (`staging.py`) at device bandwidth (a short burst of SM time),
+  their integrity trailers are computed there, then a side stream copies each object
+  to the store's pinned memory by DMA (no SMs) while the model keeps computing. The
+  objects are committed when the copy's event has fired. Without room in the staging
+  buffer the kernel writes the objects straight into pinned memory (UVA) and their
+  trailers are computed on the host before the commit.
 - load = direct, layer by layer: the kernel reads the needed blocks straight from the
   store's pinned memory (UVA), so a sliding-window group moves only its window's
   blocks, in one pass over PCIe. One launch per layer on a load stream, in the
@@ -23,9 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
+from . import integrity
 from .layout import KVGroup
 from .mover import BlockMoves, gather, scatter, scatter_by_layer
 from .plan import ChunkBlocks
+from .staging import StagingPool
 
 
 @dataclass
@@ -85,23 +90,35 @@ class Transfer:
         return QueuedLoads(events, started, done)
 
     def save(self, group: KVGroup, caches: Sequence[torch.Tensor],
-             objects: Sequence[torch.Tensor], plan: Sequence[ChunkBlocks]) -> list:
-        """Start copying the planned blocks into store objects (`objects[k]` for
-        `plan[k]`). Returns what must stay alive until `fence()` has fired."""
+             objects: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
+             plan: Sequence[ChunkBlocks], pool: StagingPool | None) -> tuple[list, list]:
+        """Start copying the planned blocks into store objects (`objects[k]` = (KV
+        tensor, trailer tensor, trailer key) for `plan[k]`). Returns what must stay
+        alive until `fence()` has fired, and the objects whose trailers are still to be
+        written on the host (`integrity.seal`) once it has."""
         moves = BlockMoves.from_chunks(plan, self.device)
+        kv = [o[0] for o in objects]
         if not self.cuda:
-            gather(group, caches, objects, moves)
-            return []
-        staging = torch.empty((len(objects), *objects[0].shape), dtype=objects[0].dtype,
-                              device=self.device)
+            gather(group, caches, kv, moves)
+            return [], list(objects)
+        shape, dtype = kv[0].shape, kv[0].dtype
+        nbytes = len(kv) * kv[0].numel() * kv[0].element_size()
+        region = pool.take(nbytes) if pool is not None else None
+        if region is None:  # no staging room: the kernel writes pinned memory directly
+            gather(group, caches, kv, moves)
+            return [moves], list(objects)
+        staging = region.view(dtype).view(len(kv), *shape)
         gather(group, caches, list(staging), moves)  # device bandwidth: the full grid
+        seals = integrity.seal_many(staging, [o[2] for o in objects])
         gathered = torch.cuda.current_stream(self.device).record_event()
         self.side_stream.wait_event(gathered)
         with torch.cuda.stream(self.side_stream):
-            for obj, buf in zip(objects, staging):
+            for (obj, trailer, _), buf, seal in zip(objects, staging, seals):
                 obj.copy_(buf, non_blocking=True)
-        staging.record_stream(self.side_stream)
-        return [staging, moves]
+                trailer.copy_(seal, non_blocking=True)
+            copied = self.side_stream.record_event()
+        pool.release_after(region, copied)
+        return [moves, seals], []
 
     def fence(self) -> torch.cuda.Event | None:
         """An event that fires once every save started so far has reached the store."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -13,9 +14,11 @@ from collections import Counter
 from gemma4_kv.harness import save_config, tiny_assistant_config, tiny_gemma4_config
 from gemma4_kv.hf_layout import hf_layout
 from gemma4_kv.keys import chunk_hashes
-from gemma4_kv.plan import max_servable_hit, needed_blocks
+from gemma4_kv.plan import hit_ends, max_servable_hit, needed_blocks, retained_chunks
 
 CHUNK = 256
+RETENTION = 512
+"""Sliding-window chunks are stored before prompt ends and every 512 tokens."""
 
 
 def prompts():
@@ -42,7 +45,8 @@ def run_engine(tmp_path, name, model, *, connector, engine, extra=None, spec_cfg
     spec = {"model": model, "prompts": prompts(), "connector": connector, "max_tokens": 6,
             "kv_role": role,
             "engine": {"enforce_eager": True, "max_model_len": 4096, **engine},
-            "extra_config": {"cpu_gb": 0.25, "stats_file": str(stats), **(extra or {})},
+            "extra_config": {"cpu_gb": 0.25, "stats_file": str(stats),
+                             "retention_interval": RETENTION, **(extra or {})},
             "speculative_config": spec_cfg, "preload": list(preload)}
     if connector_class:
         spec.update(connector_class=connector_class, connector_module="broken_connector")
@@ -54,27 +58,51 @@ def run_engine(tmp_path, name, model, *, connector, engine, extra=None, spec_cfg
                PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
                **(env or {}))
     # -P: the installed package (with its kernels), not the source tree in the cwd
-    proc = subprocess.run([sys.executable, "-P", "-m", "gemma4_kv.harness", str(spec_path),
-                           str(out_path)], env=env, capture_output=True, text=True, timeout=900)
+    proc = run_group([sys.executable, "-P", "-m", "gemma4_kv.harness", str(spec_path),
+                      str(out_path)], env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     events = [json.loads(l) for l in stats.read_text().splitlines()] if stats.exists() else []
     return json.loads(out_path.read_text()), events
 
 
-def expected_hits(layout):
-    """Replay the prompts against a model of the store: every full chunk is stored."""
+def run_group(cmd, *, env, timeout):
+    """Run a command in its own process group; on timeout kill the whole group (vLLM's
+    engine processes included), never leave them spinning behind the test run."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n"
+                             + out[-3000:] + err[-6000:]) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def expected_hits(layout, retention=RETENTION):
+    return expected_store(layout, retention)[0]
+
+
+def expected_store(layout, retention=RETENTION):
+    """Replay the prompts against a model of the store: full groups store every chunk,
+    sliding groups the windows before each prompt's hit ends (`plan.hit_ends`).
+    Returns the hits and the stored (chunk hash, group) objects."""
     stored, hits = set(), []
+    m = layout.chunk_multiple
     for p in prompts():
         hashes = chunk_hashes(p, CHUNK)
-        m = layout.chunk_multiple
+        limit = (len(p) - 1) // m * m
         hits.append(max_servable_hit(layout, CHUNK, len(hashes),
-                                     lambda g, c: hashes[c] in stored,
-                                     limit=(len(p) - 1) // m * m))
-        stored.update(hashes)
-    return hits
+                                     lambda g, c: (hashes[c], g) in stored, limit=limit))
+        ends = hit_ends(len(hashes), CHUNK, limit, retention)
+        for g in layout.groups:
+            stored.update((hashes[c], g.group_id) for c in retained_chunks(g, CHUNK, ends))
+    return hits, stored
 
 
-def check_against_plan(cfg, events, out, base, *, dtype, block_size, assistant=None):
+def check_against_plan(cfg, events, out, base, *, dtype, block_size, assistant=None,
+                       retention=RETENTION):
     layout = hf_layout(cfg, assistant_config=assistant, dtype=dtype, block_size=block_size)
     # The worker built its descriptors from vLLM's real KVCacheConfig and tensors:
     # they must be the groups we predict from the config, KV-shared aliases included.
@@ -88,7 +116,7 @@ def check_against_plan(cfg, events, out, base, *, dtype, block_size, assistant=N
     differing = [(i, hits_i, a, b) for i, (hits_i, a, b) in
                  enumerate(zip(out["cached"], out["outputs"], base["outputs"])) if a != b]
     assert not differing, f"greedy tokens differ from recomputation: {differing}"
-    hits = expected_hits(layout)
+    hits, stored = expected_store(layout, retention)
     assert out["cached"] == hits
     assert base["cached"] == [0] * len(hits)
 
@@ -104,11 +132,14 @@ def check_against_plan(cfg, events, out, base, *, dtype, block_size, assistant=N
         if g.window:
             most = -(-(g.window - 1) // g.block_size) + 1
             assert all(e["groups"][str(g.group_id)]["blocks"] <= most for e in loads)
+    # Every object the model stores is saved exactly once, and nothing else.
     saved = Counter()
     for e in events:
         if e["event"] == "save":
-            saved[e["req_id"]] += (e["end"] - e["start"]) // CHUNK
-    assert sum(saved.values()) == len({h for p in prompts() for h in chunk_hashes(p, CHUNK)})
+            for gid, v in e["groups"].items():
+                saved[int(gid)] += v["blocks"]
+    assert saved == Counter({g.group_id: sum(1 for _, gid in stored if gid == g.group_id)
+                             * (CHUNK // g.block_size) for g in layout.groups})
 
 
 def run_mtp_case(tmp_path, *, engine, check, env=None, preload=()):

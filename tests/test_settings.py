@@ -45,7 +45,7 @@ def test_defaults():
     assert s == parse({}) == ConnectorSettings()
     assert (s.chunk_size, s.cpu_gb, s.disk_path, s.disk_gb, s.l2_adapters) == (256, 4, None, 0, ())
     assert (s.num_programs, s.model_id, s.stats_file) == (32, None, None)
-    assert (s.lookup_timeout_s, s.retention_interval, s.staging_mb) == (2.0, 4096, 512)
+    assert (s.lookup_timeout_s, s.retention_interval, s.staging_mb) == (2.0, 4096, 2048)
     assert s.verify_checksums is True and s.save_decode_tokens is True
     assert s.lmcache_log_level == "WARNING"
 
@@ -69,11 +69,11 @@ def test_good_values_round_trip(tmp_path):
 
 def test_store_config_splits_per_engine_sizes_over_ranks(tmp_path):
     s = parse({"cpu_gb": 8, "disk_path": str(tmp_path), "disk_gb": 10, "l2_adapters": [MOCK],
-               "lookup_timeout_s": 0.25})
+               "verify_checksums": False})
     one, two = s.store_config(), s.store_config(ranks=2)
     assert one.cpu_bytes == 8 * GiB and two.cpu_bytes == 4 * GiB
     assert one.disk_gb == 10 and two.disk_gb == 5
-    assert one.lookup_timeout_s == 0.25 and one.l2_adapters == (MOCK,)
+    assert one.verify_checksums is False and one.l2_adapters == (MOCK,)
     specs = one.adapter_specs()
     assert specs[0]["type"] == "fs_native" and specs[0]["base_path"] == str(tmp_path)
     assert specs[1] == MOCK

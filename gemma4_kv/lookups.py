@@ -1,0 +1,209 @@
+"""Worker side of a lookup: which hit this rank can serve, and the pins behind it.
+
+Runs on the lookup server's thread (`lookup.LookupServer`), answering the scheduler's
+`protocol` messages. A lookup never waits: if an L2 tier might extend the hit, it
+starts an LMCache prefetch and answers `pending` (the scheduler returns None to vLLM,
+which asks again next step); once the prefetch has landed and been verified, or
+`timeout_s` has passed, it answers from L1 alone. A tier whose prefetch outlives the
+timeout is left alone for a while (`_Backoff`), so a dead Redis costs one timeout,
+not one per request. The objects of the answered hit stay pinned until the worker
+has loaded them (`take` / `done`) or the scheduler releases them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from . import protocol
+from .layout import KVLayout
+from .plan import hit_chunks, servable_hits, window_chunks
+from .store import ChunkStore, Pinned, Prefetch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Hit:
+    """What a rank pinned for one request."""
+
+    start: int
+    hit: int
+    pinned: Pinned
+    from_l2: int = 0
+
+
+@dataclass
+class _Pending:
+    prefetch: Prefetch
+    deadline: float
+    loaded: set = field(default_factory=set)
+    """What earlier prefetches of this lookup brought up from L2."""
+    second: bool = False
+    """This is the lookup's second, targeted fetch."""
+
+
+class _Backoff:
+    """After an L2 prefetch outlives its lookup's timeout, skip L2 for `delay` seconds
+    (doubling up to a minute); any prefetch that finishes in time resets it."""
+
+    def __init__(self):
+        self.until, self.delay = 0.0, 5.0
+
+    def allows(self, now: float) -> bool:
+        return now >= self.until
+
+    def slow(self, now: float) -> None:
+        if now >= self.until:
+            logger.warning("gemma4-kv: an L2 tier did not answer within the lookup timeout; "
+                           "serving from the CPU tier alone for %.0f s", self.delay)
+            self.until, self.delay = now + self.delay, min(60.0, 2 * self.delay)
+
+    def healthy(self) -> None:
+        self.until, self.delay = 0.0, 5.0
+
+
+class LookupService:
+    def __init__(self, store: ChunkStore, layout: KVLayout, chunk_size: int,
+                 timeout_s: float, stats=None):
+        self.store, self.layout, self.chunk_size = store, layout, chunk_size
+        self.timeout_s = timeout_s
+        self.stats = stats
+        self._windows = {g.group_id: window_chunks(g, chunk_size) for g in layout.groups}
+        self._hits: dict[str, Hit] = {}
+        self._pending: dict[str, _Pending] = {}
+        self._backoff = _Backoff()
+        self._lock = threading.Lock()  # _hits: the model thread takes them to load
+
+    # -- protocol ---------------------------------------------------------------------
+    def handle(self, msg: protocol.Request) -> protocol.Reply:
+        if isinstance(msg, protocol.Lookup):
+            return self.lookup(msg)
+        if isinstance(msg, protocol.Repin):
+            return protocol.Done(self.repin(msg))
+        if isinstance(msg, protocol.Release):
+            self.release(msg.req_id)
+            self._pending.pop(msg.req_id, None)
+            return protocol.Done(True)
+        if isinstance(msg, protocol.Reset):
+            self._pending.clear()
+            return protocol.Done(self.store.reset())
+        return protocol.Failed(f"unexpected message {type(msg).__name__}")
+
+    def lookup(self, msg: protocol.Lookup) -> protocol.LookupReply:
+        t0 = time.perf_counter()
+        self.store.poll()
+        self.release(msg.req_id)
+        now = time.monotonic()
+        n = min(len(msg.hashes), -(-msg.limit // self.chunk_size))
+        hashes = msg.hashes[:n]
+        pending = self._pending.pop(msg.req_id, None)
+        candidates = None
+        if pending is None and self.store.has_l2 and self._backoff.allows(now):
+            candidates = self._candidates(hashes, msg.start, msg.limit)
+            if candidates[:1] != [min(msg.limit, n * self.chunk_size)]:
+                # L2 may hold a longer hit: ask it without waiting.
+                prefetch = self.store.start_prefetch(hashes, self._windows)
+                self._pending[msg.req_id] = _Pending(prefetch, now + self.timeout_s)
+                return protocol.LookupReply(pending=True)
+        loaded = set()
+        if pending is not None:
+            if pending.prefetch.finished:
+                self._backoff.healthy()
+                loaded = pending.loaded | pending.prefetch.loaded
+                candidates = self._candidates(hashes, msg.start, msg.limit)
+                if not pending.second and candidates[:1] != [msg.limit]:
+                    # LMCache's prefix fetch serves chunk ends; a hit ending inside the
+                    # last chunk may need one more window chunk: fetch what it lacks.
+                    missing = self._missing(hashes, msg.start, msg.limit)
+                    if missing:
+                        second = self.store.start_fetch(missing)
+                        self._pending[msg.req_id] = _Pending(second, pending.deadline,
+                                                             loaded, second=True)
+                        return protocol.LookupReply(pending=True)
+            elif now < pending.deadline:
+                self._pending[msg.req_id] = pending
+                return protocol.LookupReply(pending=True)
+            else:
+                self._backoff.slow(now)  # LMCache finishes it; poll() releases its locks
+                candidates = None
+        if candidates is None:
+            candidates = self._candidates(hashes, msg.start, msg.limit)
+        for hit in candidates[:2]:  # the next one if an object went between check and pin
+            h = self._pin(msg.req_id, hashes, msg.start, hit, loaded)
+            if h is not None:
+                self._count(hit - msg.start, h.from_l2, time.perf_counter() - t0)
+                return protocol.LookupReply(pinned=hit, candidates=candidates,
+                                            from_l2=h.from_l2)
+        self._count(0, 0, time.perf_counter() - t0)
+        return protocol.LookupReply(candidates=candidates)
+
+    def repin(self, msg: protocol.Repin) -> bool:
+        """Pin exactly what a hit of `msg.hit` tokens reads (the scheduler's choice over
+        all ranks), releasing what this rank pinned for its own longer answer."""
+        self.release(msg.req_id)
+        return self._pin(msg.req_id, msg.hashes, msg.start, msg.hit, set()) is not None
+
+    def release(self, req_id: str) -> None:
+        h = self._take_hit(req_id)
+        if h is not None:
+            self.store.release(h.pinned)
+
+    # -- the model thread -------------------------------------------------------------
+    def take(self, req_id: str) -> Hit | None:
+        """The pinned hit of a request about to be loaded (the caller releases it with
+        `done` once the copies have finished)."""
+        return self._take_hit(req_id)
+
+    def done(self, hit: Hit) -> None:
+        self.store.release(hit.pinned)
+
+    # -- helpers ----------------------------------------------------------------------
+    def _candidates(self, hashes: list[bytes], start: int, limit: int) -> list[int]:
+        if limit <= start or not hashes:
+            return []
+        resident = self.store.resident(hashes)
+        return servable_hits(self.layout, self.chunk_size, len(hashes),
+                             lambda g, c: c in resident[g], start, limit)
+
+    def _missing(self, hashes: list[bytes], start: int, hit: int) -> list:
+        """Objects a hit of `hit` tokens needs that L1 does not hold, if L1 holds all
+        the full-attention chunks it needs (else the hit is out of reach anyway)."""
+        resident = self.store.resident(hashes)
+        cells = hit_chunks(self.layout, start, hit, self.chunk_size)
+        full = {g.group_id for g in self.layout.groups if g.window is None}
+        if any(c not in resident[g] for g, c in cells if g in full):
+            return []
+        return [(hashes[c], g) for g, c in cells if c not in resident[g]]
+
+    def _pin(self, req_id: str, hashes: list[bytes], start: int, hit: int,
+             loaded: set) -> Hit | None:
+        cells = hit_chunks(self.layout, start, hit, self.chunk_size)
+        keys = [(hashes[c], g) for g, c in cells]
+        pinned = self.store.pin(keys)
+        if pinned is None:
+            return None
+        self.store.touch([(hashes[c], g) for g, c in sorted(cells, key=lambda gc: gc[1])])
+        l2_chunks = {c for g, c in cells if (hashes[c], g) in loaded}
+        from_l2 = sum(min(hit, (c + 1) * self.chunk_size) - max(start, c * self.chunk_size)
+                      for c in l2_chunks)
+        h = Hit(start, hit, pinned, from_l2)
+        with self._lock:
+            self._hits[req_id] = h
+        return h
+
+    def _take_hit(self, req_id: str) -> Hit | None:
+        with self._lock:
+            return self._hits.pop(req_id, None)
+
+    def _count(self, tokens: int, from_l2: int, seconds: float) -> None:
+        if self.stats is not None:
+            self.stats.lookup(tokens, from_l2, seconds)
+
+    def close(self) -> None:
+        with self._lock:
+            hits, self._hits = list(self._hits.values()), {}
+        for h in hits:
+            self.store.release(h.pinned)
