@@ -56,6 +56,36 @@ class _Request:
     """Groups stored for each chunk so far (to touch them when the request ends)."""
 
 
+class RanksDown(Exception):
+    """A worker rank did not answer (or failed) a lookup."""
+
+
+def lookup_all_ranks(client: LookupClient, lookup: protocol.Lookup) -> tuple[int | None, int]:
+    """(hit, tokens of it brought up from L2) that every rank can serve and has pinned
+    exactly, (None, 0) while a rank is still asking an L2 tier (its pins, if any, are
+    dropped when it is asked again or the request ends), or (0, 0). Each rank answers
+    the hit it pinned and every hit it could serve; the longest hit all can serve is
+    re-pinned (`Repin`) on the ranks that chose another, so no rank reads an object it
+    did not pin, nor keeps one pinned that no load reads."""
+    replies = client.ask_all(lookup)
+    if replies is None or any(not isinstance(r, protocol.LookupReply) for r in replies):
+        raise RanksDown
+    if any(r.pending for r in replies):
+        return None, 0
+    common = set(replies[0].candidates).intersection(*(r.candidates for r in replies))
+    hit = max(common, default=0)
+    release = protocol.Release(lookup.req_id)
+    if hit <= lookup.start:
+        client.ask_all(release)
+        return 0, 0
+    if any(r.pinned != hit for r in replies):
+        done = client.ask_all(protocol.Repin(lookup.req_id, lookup.hashes, lookup.start, hit))
+        if done is None or not all(isinstance(d, protocol.Done) and d.ok for d in done):
+            client.ask_all(release)
+            return 0, 0
+    return hit, replies[0].from_l2
+
+
 def drafts_own_kv(vllm_config, layout) -> bool:
     """Whether a draft model's attention layers own KV in the groups: more layers own KV
     than the target model has (its layers minus the KV-shared ones)."""
@@ -147,32 +177,22 @@ class ConnectorScheduler:
         limit = min(full, (st.prompt_len - 1) // m * m)
         if limit <= num_computed_tokens or time.monotonic() < self._ranks_down_until:
             return 0, False
-        replies = self.client.ask_all(protocol.Lookup(request.request_id, hashes,
-                                                      num_computed_tokens, limit))
-        if replies is None or any(not isinstance(r, protocol.LookupReply) for r in replies):
+        try:
+            hit, from_l2 = lookup_all_ranks(self.client, protocol.Lookup(
+                request.request_id, hashes, num_computed_tokens, limit))
+        except RanksDown:
             logger.warning("gemma4-kv: a worker rank did not answer a lookup; no lookups "
                            "for %.0f s", RANK_BACKOFF_S)
             self._ranks_down_until = time.monotonic() + RANK_BACKOFF_S
             self._release_all(request.request_id)
             return 0, False
         st.asked = True
-        if any(r.pending for r in replies):
-            # An L2 tier is being asked: vLLM asks again next step (a rank that answered
-            # already releases its pins when asked again, or when the request ends).
-            return None, False
-        common = set(replies[0].candidates).intersection(*(r.candidates for r in replies))
-        hit = max(common, default=0)
+        if hit is None:
+            return None, False  # an L2 tier is being asked: vLLM asks again next step
         if hit <= num_computed_tokens:
-            self._release_all(request.request_id)
             return 0, False
-        if any(r.pinned != hit for r in replies):
-            done = self.client.ask_all(protocol.Repin(request.request_id, hashes,
-                                                      num_computed_tokens, hit))
-            if done is None or not all(isinstance(d, protocol.Done) and d.ok for d in done):
-                self._release_all(request.request_id)
-                return 0, False
         st.hit = (num_computed_tokens, hit)
-        st.from_l2 = min(replies[0].from_l2, hit - num_computed_tokens)
+        st.from_l2 = min(from_l2, hit - num_computed_tokens)
         return hit - num_computed_tokens, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:

@@ -1,0 +1,107 @@
+"""Tensor-parallel lookups against two real ranks (LookupService + ChunkStore behind real
+ZMQ sockets): when ranks can serve different hits, the scheduler takes the longest
+hit both can serve, and each rank then pins exactly the objects that hit's load reads
+(nothing unpinned is read, nothing else stays pinned)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import torch
+
+from gemma4_kv import protocol
+from gemma4_kv.keys import chunk_hashes, fingerprint
+from gemma4_kv.layout import AttentionKind, KVGroup, KVLayout
+from gemma4_kv.lookup import LookupClient, LookupServer, socket_address
+from gemma4_kv.lookups import LookupService
+from gemma4_kv.plan import hit_chunks
+from gemma4_kv.scheduler import lookup_all_ranks
+from gemma4_kv.store import ChunkStore, StoreConfig
+from test_store import put
+
+CHUNK = 64
+# A sliding window spanning two chunks and a full group: a shorter hit needs sliding
+# chunks a longer one does not.
+LAYOUT = KVLayout((
+    KVGroup(0, AttentionKind.SLIDING, 100, 16, 1, 16, 16, torch.bfloat16, ("s",)),
+    KVGroup(1, AttentionKind.FULL, None, 16, 1, 16, 16, torch.bfloat16, ("f",)),
+))
+
+
+@pytest.fixture
+def ranks():
+    engine = f"tp-{uuid.uuid4().hex[:8]}"
+    stores, services, servers = [], [], []
+    for rank in range(2):
+        fp = fingerprint(LAYOUT, model="tiny", chunk_size=CHUNK, tp_rank=rank, tp_size=2)
+        store = ChunkStore(LAYOUT, fp, CHUNK, StoreConfig(cpu_bytes=4 << 20), kv_rank=rank)
+        service = LookupService(store, LAYOUT, CHUNK, timeout_s=1.0)
+        stores.append(store)
+        services.append(service)
+        servers.append(LookupServer(socket_address(engine, os.getpid(), rank), service.handle))
+    client = LookupClient([socket_address(engine, os.getpid(), r) for r in range(2)],
+                          timeout_ms=2000)
+    yield stores, services, client
+    client.close()
+    for server, service, store in zip(servers, services, stores):
+        server.close()
+        service.close()
+        store.close()
+
+
+def pinned_keys(store, service, req_id):
+    hit = service._hits.get(req_id)
+    return set() if hit is None else set(hit.pinned.keys)
+
+
+def locked(store, hashes):
+    """(chunk, group) of every object the store holds read-locked."""
+    l1 = store._sm._l1_manager
+    return {(c, g) for c, h in enumerate(hashes) for g in (0, 1)
+            if store.resident([h])[g] and not l1.is_key_evictable(store.key(h, g))}
+
+
+def test_ranks_answering_different_hits_pin_exactly_the_common_one(ranks):
+    stores, services, client = ranks
+    gen = torch.Generator().manual_seed(0)
+    hashes = chunk_hashes(list(range(16 * CHUNK)), CHUNK)
+    # Rank 0 can serve 1024 (chunks 0-15 full, window before 1024) and 768;
+    # rank 1 only 768 (its chunks 12-15 were never stored).
+    put(stores[0], hashes[:16], gen, groups=(1,))
+    put(stores[0], [hashes[10], hashes[11], hashes[14], hashes[15]], gen, groups=(0,))
+    put(stores[1], hashes[:12], gen, groups=(1,))
+    put(stores[1], [hashes[10], hashes[11]], gen, groups=(0,))
+    lookup = protocol.Lookup("r1", hashes, 0, 16 * CHUNK)
+
+    replies = client.ask_all(lookup)  # what each rank would pin on its own
+    assert [r.pinned for r in replies] == [1024, 768]
+    client.ask_all(protocol.Release("r1"))
+
+    hit, _ = lookup_all_ranks(client, lookup)
+    assert hit == 768
+    need = set(hit_chunks(LAYOUT, 0, 768, CHUNK))
+    assert (0, 10) in need and (0, 14) not in need  # the 768 hit reads other sliding chunks
+    for store, service in zip(stores, services):
+        want = {store.key(hashes[c], g) for g, c in need}
+        assert pinned_keys(store, service, "r1") == want
+        assert locked(store, hashes) == {(c, g) for g, c in need}
+    for service in services:  # what the load takes is exactly what was pinned
+        h = service.take("r1")
+        assert (h.start, h.hit) == (0, 768)
+        assert set(h.pinned.views) == {(hashes[c], g) for g, c in need}
+        service.done(h)
+    for store in stores:
+        assert locked(store, hashes) == set()
+
+
+def test_no_common_hit_releases_every_pin(ranks):
+    stores, services, client = ranks
+    gen = torch.Generator().manual_seed(1)
+    hashes = chunk_hashes(list(range(4 * CHUNK)), CHUNK)
+    put(stores[0], hashes, gen)  # rank 1 stores nothing
+    assert lookup_all_ranks(client, protocol.Lookup("r2", hashes, 0, 4 * CHUNK)) == (0, 0)
+    for store in stores:
+        assert locked(store, hashes) == set()
+    assert all(not s._hits for s in services)
