@@ -11,6 +11,12 @@ prompt again (vLLM's GPU prefix-cache hit); medians are reported. `gemma4-kv` is
 connector (bytes per group, lookup and load times come from its stats file);
 `offloading` is vLLM's native OffloadingConnector with its compiled copy op replaced by
 benchmarks/vllm_standins.py (cuMemcpyBatchAsync).
+
+A shared tier: `--l2 '[{"type": "valkey", ...}]'` adds LMCache L2 tiers behind the CPU
+store. A second engine started with `--from-tier` (same tier, same prompts) measures
+hits served from it: before each warm run its CPU tier is emptied, so the hit comes up
+from the L2 tier (its lookup is answered `pending` until the objects have landed and
+been verified, then they load like any other hit).
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ from gemma4_kv.hf_layout import hf_layout, load_text_config
 
 def transfer_config(args, layout, stats: Path) -> dict:
     if args.connector == "gemma4-kv":
-        return connector_config({"cpu_gb": args.cpu_gb, "stats_file": str(stats)})
+        extra = {"cpu_gb": args.cpu_gb, "stats_file": str(stats)}
+        if args.l2:
+            extra.update(l2_adapters=json.loads(args.l2), lookup_timeout_s=60.0)
+        return connector_config(extra)
     cpu_bytes = int(args.cpu_gb * (1 << 30))
     if shutil.disk_usage("/dev/shm").free < cpu_bytes:
         # Its shared /dev/shm region does not fit on this machine: private pinned
@@ -58,6 +67,9 @@ def main(argv=None):
     p.add_argument("--cpu-gb", type=float, default=50)
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--repeats", type=int, default=3, help="warm and GPU-hit runs (median)")
+    p.add_argument("--l2", help="JSON list of LMCache L2 tiers behind the CPU store")
+    p.add_argument("--from-tier", action="store_true",
+                   help="no cold runs; every warm hit comes up from the --l2 tiers")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
 
@@ -102,13 +114,19 @@ def main(argv=None):
     rows = []
     for n in lengths:
         tokens = [rng.randrange(3, cfg.vocab_size) for _ in range(n)]
-        cold, c0, o0 = ttft(tokens)
-        settle()
+        if args.from_tier:
+            cold, c0, o0 = float("nan"), None, None
+        else:
+            cold, c0, o0 = ttft(tokens)
+            settle()
         warm, gpu = [], []
         for _ in range(args.repeats):
             llm.reset_prefix_cache()
+            if args.from_tier:
+                llm.collective_rpc(empty_cpu_tier)
             warm.append(ttft(tokens))
             gpu.append(ttft(tokens))
+        o0 = o0 if o0 is not None else warm[0][2]
         rows.append(dict(tokens=n, cold_s=cold, warm_connector_s=statistics.median(
                              t for t, _, _ in warm),
                          gpu_prefix_hit_s=statistics.median(t for t, _, _ in gpu),
@@ -131,6 +149,7 @@ def main(argv=None):
     result = dict(meta=dict(gpu=props.name, torch=torch.__version__, triton=triton.__version__,
                             date=time.strftime("%Y-%m-%d"), config=args.config,
                             connector=args.connector, tensor_parallel=args.tp,
+                            l2=args.l2, from_tier=args.from_tier,
                             engine_startup_s=startup,
                             groups=[(g.kind.value, g.block_size, len(g.layers))
                                     for g in layout.groups],
@@ -140,6 +159,16 @@ def main(argv=None):
     print_table(result)
     if args.plot:
         plot([result], args.plot)
+
+
+def empty_cpu_tier(worker) -> int:
+    """collective_rpc target: drop every unpinned object from the connector's CPU tier
+    (the L2 tiers keep theirs)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    store = get_kv_transfer_group()._worker.store
+    store._sm.clear(force=False)
+    return store.usage()[0]
 
 
 def add_phases(row: dict, events: list, layout) -> None:

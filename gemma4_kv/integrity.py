@@ -70,34 +70,36 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8).view(torch.int64)
 
 
-def weighted_sum(t: torch.Tensor) -> torch.Tensor:
-    """sum_i x_i * w_i (mod 2**64) of `t`'s bytes as a 0-d int64 tensor on t's device
-    (no host synchronisation on CUDA)."""
-    x = _words(t)
-    w = weights(x.numel(), x.device)
-    total = torch.zeros((), dtype=torch.int64, device=x.device)
-    for i in range(0, x.numel(), _SLAB):
-        total += (x[i:i + _SLAB] * w[i:i + _SLAB]).sum()
+def weighted_sums(objects: torch.Tensor) -> torch.Tensor:
+    """sum_i x_i * w_i (mod 2**64) of each object `objects[k]` (stacked on dim 0) as an
+    [n] int64 tensor on their device, without host synchronisation. Slabs keep the
+    product small: in cache on the CPU, at most 256 MiB on a GPU."""
+    n = objects.shape[0]
+    x = _words(objects).view(n, -1)
+    w = weights(x.shape[1], x.device)
+    slab = max(1, (_SLAB if x.device.type == "cpu" else 1 << 25) // n)
+    total = torch.zeros(n, dtype=torch.int64, device=x.device)
+    for i in range(0, x.shape[1], slab):
+        total += (x[:, i:i + slab] * w[i:i + slab]).sum(dim=1)
     return total
 
 
-def seal(kv: torch.Tensor, out: torch.Tensor, key: int) -> None:
-    """Write the trailer of object `kv` under key value `key` into `out` (SEAL_SHAPE
-    int64, any device; queued on the current stream on CUDA)."""
-    s = weighted_sum(kv) + key
-    vals = torch.tensor([MAGIC, 0, kv.numel() * kv.element_size(), 0], dtype=torch.int64)
-    vals = vals.to(s.device, non_blocking=True)
-    vals[1] = s
-    out.copy_(vals, non_blocking=True)
-
-
 def seal_many(kv: torch.Tensor, keys: list[int]) -> torch.Tensor:
-    """Trailers of `kv[k]` (objects stacked on dim 0, e.g. a staging buffer), as a
-    [n, 4] int64 tensor on kv's device."""
-    out = torch.empty((len(keys), *SEAL_SHAPE), dtype=SEAL_DTYPE, device=kv.device)
-    for k, key in enumerate(keys):
-        seal(kv[k], out[k], key)
+    """Trailers of `kv[k]` (objects stacked on dim 0, e.g. a staging buffer) under key
+    values `keys`, as a [n, 4] int64 tensor on kv's device (queued, no sync)."""
+    n = len(keys)
+    out = torch.zeros((n, *SEAL_SHAPE), dtype=SEAL_DTYPE, device=kv.device)
+    out[:, 0] = MAGIC
+    out[:, 2] = kv[0].numel() * kv.element_size()
+    key = torch.tensor(keys, dtype=torch.int64)
+    out[:, 1] = weighted_sums(kv) + (key.pin_memory() if kv.is_cuda else key).to(
+        kv.device, non_blocking=True)
     return out
+
+
+def seal(kv: torch.Tensor, out: torch.Tensor, key: int) -> None:
+    """Write the trailer of one object `kv` under key value `key` into `out`."""
+    out.copy_(seal_many(kv.unsqueeze(0), [key])[0])
 
 
 def verify(kv: torch.Tensor, trailer: torch.Tensor, key: int) -> bool:
@@ -105,5 +107,5 @@ def verify(kv: torch.Tensor, trailer: torch.Tensor, key: int) -> bool:
     t = trailer.to("cpu").tolist()
     if t[0] != MAGIC or t[2] != kv.numel() * kv.element_size():
         return False
-    s = (int(weighted_sum(kv)) + key + (1 << 63)) % (1 << 64) - (1 << 63)
+    s = (int(weighted_sums(kv.unsqueeze(0))[0]) + key + (1 << 63)) % (1 << 64) - (1 << 63)
     return s == t[1]

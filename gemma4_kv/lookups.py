@@ -43,6 +43,8 @@ class _Pending:
     """What earlier prefetches of this lookup brought up from L2."""
     second: bool = False
     """This is the lookup's second, targeted fetch."""
+    asked: float = 0.0
+    """When the lookup first asked L2 (its time counts from there)."""
 
 
 class _Backoff:
@@ -67,10 +69,10 @@ class _Backoff:
 
 class LookupService:
     def __init__(self, store: ChunkStore, layout: KVLayout, chunk_size: int,
-                 timeout_s: float, stats=None):
+                 timeout_s: float, stats=None, record=None):
         self.store, self.layout, self.chunk_size = store, layout, chunk_size
         self.timeout_s = timeout_s
-        self.stats = stats
+        self.stats, self.record = stats, record
         self._windows = {g.group_id: window_chunks(g, chunk_size) for g in layout.groups}
         self._hits: dict[str, Hit] = {}
         self._pending: dict[str, _Pending] = {}
@@ -93,7 +95,7 @@ class LookupService:
         return protocol.Failed(f"unexpected message {type(msg).__name__}")
 
     def lookup(self, msg: protocol.Lookup) -> protocol.LookupReply:
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         self.store.poll()
         self.release(msg.req_id)
         now = time.monotonic()
@@ -106,10 +108,12 @@ class LookupService:
             if candidates[:1] != [min(msg.limit, n * self.chunk_size)]:
                 # L2 may hold a longer hit: ask it without waiting.
                 prefetch = self.store.start_prefetch(hashes, self._windows)
-                self._pending[msg.req_id] = _Pending(prefetch, now + self.timeout_s)
+                self._pending[msg.req_id] = _Pending(prefetch, now + self.timeout_s,
+                                                     asked=now)
                 return protocol.LookupReply(pending=True)
         loaded = set()
         if pending is not None:
+            t0 = pending.asked
             if pending.prefetch.finished:
                 self._backoff.healthy()
                 loaded = pending.loaded | pending.prefetch.loaded
@@ -121,7 +125,7 @@ class LookupService:
                     if missing:
                         second = self.store.start_fetch(missing)
                         self._pending[msg.req_id] = _Pending(second, pending.deadline,
-                                                             loaded, second=True)
+                                                             loaded, True, pending.asked)
                         return protocol.LookupReply(pending=True)
             elif now < pending.deadline:
                 self._pending[msg.req_id] = pending
@@ -134,10 +138,10 @@ class LookupService:
         for hit in candidates[:2]:  # the next one if an object went between check and pin
             h = self._pin(msg.req_id, hashes, msg.start, hit, loaded)
             if h is not None:
-                self._count(hit - msg.start, h.from_l2, time.perf_counter() - t0)
+                self._count(msg, hit, h.from_l2, t0)
                 return protocol.LookupReply(pinned=hit, candidates=candidates,
                                             from_l2=h.from_l2)
-        self._count(0, 0, time.perf_counter() - t0)
+        self._count(msg, 0, 0, t0)
         return protocol.LookupReply(candidates=candidates)
 
     def repin(self, msg: protocol.Repin) -> bool:
@@ -198,9 +202,12 @@ class LookupService:
         with self._lock:
             return self._hits.pop(req_id, None)
 
-    def _count(self, tokens: int, from_l2: int, seconds: float) -> None:
+    def _count(self, msg: protocol.Lookup, hit: int, from_l2: int, t0: float) -> None:
+        seconds = time.monotonic() - t0  # since it first asked L2, if it had to
         if self.stats is not None:
-            self.stats.lookup(tokens, from_l2, seconds)
+            self.stats.lookup(max(0, hit - msg.start), from_l2, seconds)
+        if self.record is not None:
+            self.record("lookup", msg.req_id, msg.start, hit, [], seconds=seconds)
 
     def close(self) -> None:
         with self._lock:

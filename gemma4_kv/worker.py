@@ -101,7 +101,7 @@ class ConnectorWorker:
         self._load_order = forward_order(self.layout)
         self._warm_up()
         self.lookups = LookupService(self.store, self.layout, self.chunk_size,
-                                     self.settings.lookup_timeout_s, self.stats)
+                                     self.settings.lookup_timeout_s, self.stats, self.record)
         engine_id = self.vllm_config.kv_transfer_config.engine_id
         self.server = LookupServer(
             socket_address(engine_id, engine_core_pid(self.vllm_config), rank),

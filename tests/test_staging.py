@@ -52,3 +52,21 @@ def test_a_region_given_back_twice_or_foreign_is_an_error():
         pool.release_after(r, Flag())
     with pytest.raises(ValueError):
         pool.release_after(torch.empty(8, dtype=torch.uint8), Flag())
+
+
+@pytest.mark.cuda
+def test_with_cuda_events_a_region_comes_back_once_its_copy_has_run():
+    pool = StagingPool(64 << 20, torch.device("cuda"))
+    side = torch.cuda.Stream()
+    host = torch.empty(48 << 20, dtype=torch.uint8, pin_memory=True)
+    region = pool.take(48 << 20)
+    region.fill_(7)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # keep the copy from finishing at once
+        host.copy_(region, non_blocking=True)
+        done = side.record_event()
+    pool.release_after(region, done)
+    assert pool.take(48 << 20) is None  # still being copied out
+    done.synchronize()
+    assert pool.take(48 << 20) is not None and int(host[-1]) == 7
