@@ -78,12 +78,23 @@ def servable_hits(layout: KVLayout, chunk_size: int, max_chunks: int,
     limit = max_chunks * chunk_size if limit is None else min(limit, max_chunks * chunk_size)
     if limit % layout.chunk_multiple:
         raise ValueError(f"limit {limit} is not a multiple of {layout.chunk_multiple}")
+    # Each candidate needs a contiguous run of chunks per group: prefix counts of the
+    # present chunks answer each in O(groups), not O(chunks).
+    n_max = -(-limit // chunk_size)
+    counts = {}
+    for g in layout.groups:
+        c = [0]
+        for i in range(n_max):
+            c.append(c[-1] + bool(present(g.group_id, i)))
+        counts[g.group_id] = c
     out = []
-    for n in range(-(-limit // chunk_size), start // chunk_size, -1):
+    for n in range(n_max, start // chunk_size, -1):
         hit = min(n * chunk_size, limit)
         if hit <= start:
             break
-        if all(present(g, c) for g, c in hit_chunks(layout, start, hit, chunk_size)):
+        if all(counts[g.group_id][r.stop] - counts[g.group_id][r.start] == len(r)
+               for g in layout.groups
+               for r in [needed_chunks(g, start - start % g.block_size, hit, chunk_size)]):
             out.append(hit)
     return out
 
