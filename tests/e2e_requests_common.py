@@ -63,19 +63,25 @@ def write_adapter(path, seed: int, cfg, rank: int = 8) -> str:
 
 
 def expected_store(layout, requests, chunk_size, retention):
-    """Replay requests against a model of the store. `requests`: (chunk keys, prompt
-    length) in order; two requests' chunks are the same object exactly where their keys
-    are equal. Full groups store every chunk, sliding groups the windows before each
-    prompt's hit ends. Returns the hit of every request and the stored (key, group)s."""
+    """Replay requests against a model of the store. `requests`: in order, each
+    (chunk keys, prompt length), or a list of them scheduled in one step (all looked up
+    before any stores); two requests' chunks are the same object exactly where their
+    keys are equal. Full groups store every chunk, sliding groups the windows before
+    each prompt's hit ends. Returns the hit of every request and the stored (key,
+    group)s."""
     stored, hits = set(), []
     m = layout.chunk_multiple
-    for keys, n_tokens in requests:
-        limit = (n_tokens - 1) // m * m
-        hits.append(max_servable_hit(layout, chunk_size, len(keys),
-                                     lambda g, c: (keys[c], g) in stored, limit=limit))
-        ends = hit_ends(len(keys), chunk_size, limit, retention)
-        for g in layout.groups:
-            stored.update((keys[c], g.group_id) for c in retained_chunks(g, chunk_size, ends))
+    for step in requests:
+        step = step if isinstance(step, list) else [step]
+        new = set()
+        for keys, n_tokens in step:
+            limit = (n_tokens - 1) // m * m
+            hits.append(max_servable_hit(layout, chunk_size, len(keys),
+                                         lambda g, c: (keys[c], g) in stored, limit=limit))
+            ends = hit_ends(len(keys), chunk_size, limit, retention)
+            for g in layout.groups:
+                new.update((keys[c], g.group_id) for c in retained_chunks(g, chunk_size, ends))
+        stored |= new
     return hits, stored
 
 
