@@ -16,7 +16,9 @@ SPEC: {"model": dir, "connector": bool,
 STEP:  {"prompts": [PROMPT, ...], "batch": bool (all in flight at once),
         "max_tokens": n} | {"call": "module:function", "kwargs": {...}} (run on every
         worker through collective_rpc: fault injection, weight updates) | {"reset": true}
-        (llm.reset_prefix_cache(reset_connector=True))
+        (llm.reset_prefix_cache(reset_connector=True)) | {"metrics": true} (vLLM's
+        Prometheus counters so far, [[name, labels, value]]: needs "disable_log_stats":
+        false in "engine")
 PROMPT: [token ids] | {"tokens": [...], "lora": name, "salt": str,
         "embeds": {"seed": s, "rows": [lo, hi]}} (rows lo..hi-1 given as random
         embeddings of that seed instead of token ids)
@@ -136,6 +138,8 @@ def run(spec: dict) -> dict:
             out["steps"].append({"result": result})
         elif step.get("reset"):
             out["steps"].append({"result": llm.reset_prefix_cache(reset_connector=True)})
+        elif step.get("metrics"):
+            out["steps"].append({"result": _counters(llm)})
         else:
             out["steps"].append(_generate(llm, spec, step, out))
     return out
@@ -220,6 +224,13 @@ def perturb_weights(worker, name: str = "model.layers.0.self_attn.k_norm.weight"
     gen = torch.Generator().manual_seed(seed)
     p.data.add_(torch.randn(p.shape, generator=gen).to(p.dtype) * scale)
     return float(p.data.abs().mean())
+
+
+def _counters(llm) -> list:
+    """Every counter of the engine as the front-end sees it (`LLM.get_metrics`)."""
+    from vllm.v1.metrics.reader import Counter
+
+    return [[m.name, m.labels, m.value] for m in llm.get_metrics() if isinstance(m, Counter)]
 
 
 def _spec_counters(llm) -> dict:
