@@ -43,7 +43,7 @@ class QueuedLoads:
     done: torch.cuda.Event
 
     def seconds(self) -> float:
-        """GPU time from the first copy to the last (waits for them)."""
+        """GPU time from the first copy to the last (waits for them if still running)."""
         self.done.synchronize()
         return self.started.elapsed_time(self.done) / 1e3
 

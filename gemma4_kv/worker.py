@@ -56,6 +56,7 @@ class ConnectorWorker:
         self.rank = 0
         self._layer_ready: dict[str, torch.cuda.Event] = {}  # this step's queued layers
         self._in_flight = None  # (QueuedLoads, [(LoadRequest, Hit, plan)]) of this step
+        self._landing: list = []  # earlier steps' loads whose copies may still run
         self._forward_waits = True  # vLLM calls wait_for_layer_load before each layer
 
     # -- set-up -----------------------------------------------------------------------
@@ -177,7 +178,9 @@ class ConnectorWorker:
 
     def _finish_loads(self) -> None:
         """After the forward: later work (the drafter, the next step) is ordered after
-        every load, and the store may let go of the objects."""
+        every load; the store lets go of the objects once the copies have run
+        (`_release_landed`, never a wait on the host)."""
+        self._release_landed()
         if self._in_flight is None:
             return
         queued, loaded = self._in_flight
@@ -190,7 +193,16 @@ class ConnectorWorker:
             self._forward_waits = False
         self._layer_ready = {}
         torch.cuda.current_stream().wait_event(queued.done)
-        self._loaded(loaded, queued.seconds())
+        self._landing.append((queued, loaded))
+
+    def _release_landed(self, wait: bool = False) -> None:
+        still = []
+        for queued, loaded in self._landing:
+            if wait or queued.done.query():
+                self._loaded(loaded, queued.seconds())
+            else:
+                still.append((queued, loaded))
+        self._landing = still
 
     def _loaded(self, loaded: list, seconds: float) -> None:
         for load, hit, plan in loaded:
@@ -214,6 +226,7 @@ class ConnectorWorker:
             self.saver.touch(touch)
 
     def get_finished(self) -> tuple[None, None]:
+        self._release_landed()
         self.saver.commit_ready()
         return None, None
 
@@ -224,6 +237,7 @@ class ConnectorWorker:
         if self.store is None:
             return
         self._finish_loads()
+        self._release_landed(wait=True)
         self.saver.commit_ready(wait=True)
         if self.server:
             self.server.close()
