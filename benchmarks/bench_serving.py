@@ -378,11 +378,11 @@ def run_worker(args, system: str, result_path: Path) -> None:
                                detokenize=False)
 
     def settle():
-        """One tiny unrelated request (connectors commit finished saves on a step), a
-        pause for asynchronous stores."""
+        """A pause for asynchronous stores, then one tiny unrelated request: connectors
+        commit (and report) the stores that landed on the next engine step."""
+        time.sleep(args.settle_s)
         llm.generate([{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(8)]}],
                      SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
-        time.sleep(args.settle_s)
 
     def run_round(items, sp, batch: int) -> dict:
         """items: [(label, tokens)], `batch` at a time in one llm.generate each."""
@@ -402,16 +402,24 @@ def run_worker(args, system: str, result_path: Path) -> None:
                                  output=list(o.outputs[0].token_ids)))
         wall = time.perf_counter() - t0
         settle()
-        delta = {k: v - before.get(k, 0) for k, v in counters(llm).items()}
+        after = counters(llm)
+        delta = {k: v - before.get(k, 0) for k, v in after.items()}
         events = tail.take()
         prompt = sum(r["prompt"] for r in reqs)
         ttfts = [r["ttft"] for r in reqs]
         saved = sum(g["bytes"] for e in events if e["event"] == "save"
                     for g in e["groups"].values())
         loads = [e for e in events if e["event"] == "load"]
-        stored = saved if system == "gemma4-kv" else delta.get("vllm:kv_offload_store_bytes", 0)
-        loaded = (sum(g["bytes"] for e in loads for g in e["groups"].values())
-                  if system == "gemma4-kv" else delta.get("vllm:kv_offload_load_bytes", 0))
+        if system == "gemma4-kv":
+            stored = saved
+            loaded = sum(g["bytes"] for e in loads for g in e["groups"].values())
+        elif system == "none":
+            stored = loaded = 0
+        else:  # the OffloadingConnector's own counters (None if this vLLM has none)
+            stored = delta.get("vllm:kv_offload_store_bytes",
+                               0 if "vllm:kv_offload_store_bytes" in after else None)
+            loaded = delta.get("vllm:kv_offload_load_bytes",
+                               0 if "vllm:kv_offload_load_bytes" in after else None)
         external = delta.get("vllm:external_prefix_cache_hits", 0)
         local = delta.get("vllm:prefix_cache_hits", 0)
         return dict(wall_s=wall, requests=len(reqs), prompt_tokens=prompt,
@@ -420,7 +428,8 @@ def run_worker(args, system: str, result_path: Path) -> None:
                     cached_share=sum(r["cached"] for r in reqs) / prompt,
                     store_tokens=external, gpu_tokens=local,
                     store_tokens_from_loads=sum(e["end"] - e["start"] for e in loads),
-                    stored_bytes=stored, stored_bytes_per_token=stored / prompt,
+                    stored_bytes=stored,
+                    stored_bytes_per_token=None if stored is None else stored / prompt,
                     loaded_bytes=loaded, preemptions=delta.get("vllm:num_preemptions", 0),
                     counters={k: v for k, v in delta.items() if v and (
                         "cache" in k or "kv_offload" in k or "gemma4_kv" in k
@@ -665,6 +674,10 @@ def summarize(args, results: dict, command: str) -> dict:
                 targets=targets(results))
 
 
+def _num(x, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:{width}.{digits}f}"
+
+
 def print_table(summary: dict) -> None:
     m = summary["meta"]
     sz = m.get("sizes") or {}
@@ -689,7 +702,8 @@ def print_table(summary: dict) -> None:
                 print(f"{name:8} {s:19} {rd['round']:3} {rd['kind']:4} {rd['wall_s']:7.2f} "
                       f"{rd['ttft_mean_s']:6.3f} {rd['ttft_p90_s']:6.3f} "
                       f"{100 * rd['store_share']:5.1f}% {100 * rd['gpu_share']:5.1f}% "
-                      f"{rd['stored_bytes_per_token']:8.0f} {rd['loaded_bytes'] / 1e9:7.2f} "
+                      f"{_num(rd['stored_bytes_per_token'], 8, 0)} "
+                      f"{_num(rd['loaded_bytes'] and rd['loaded_bytes'] / 1e9, 7, 2)} "
                       f"{note}")
     for s, r in summary["systems"].items():
         if r.get("skipped"):
