@@ -31,7 +31,8 @@ prompt under no connector and with the cold round; equal in batch-invariant mode
 
 Every system runs in its own process (`--worker`), one after the other (`--parallel`:
 side by side, for exactness checks only). Writes DIR/serving.json (all systems, targets),
-DIR/serving.png (matplotlib, if installed), DIR/<system>.json and DIR/<system>.log.
+DIR/serving.png (matplotlib, if installed), DIR/<system>.json, DIR/<system>.log and
+DIR/<system>-work/ (the model config; gemma4-kv's stats file).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from array import array
 from pathlib import Path
@@ -348,7 +348,8 @@ def run_worker(args, system: str, result_path: Path) -> None:
 
     cfg = model_config(args)
     layout = layout_of(args, cfg)
-    work = Path(tempfile.mkdtemp(prefix=f"bench-serving-{system}-"))
+    work = result_path.parent / f"{system}-work"  # the model's config, the stats file
+    work.mkdir(parents=True, exist_ok=True)
     model = str(work / "model")
     cfg.save_pretrained(model)
     stats = work / "stats.jsonl"
