@@ -1,0 +1,788 @@
+"""Serving benchmark: rounds of many requests through vLLM with a GPU KV cache smaller
+than the working set, with no connector, this connector, and vLLM's OffloadingConnector
+at the same CPU memory. Modelled on LMCache's long-doc-QA and multi-round-QA benchmarks.
+
+    python benchmarks/bench_serving.py --out DIR [--config gemma4-12b-like | --tiny]
+        [--systems none,gemma4-kv,offloading] [--scenarios fits,over,chat] [--cpu-gb 18]
+    python benchmarks/bench_serving.py --plot-only OUT.png DIR/serving.json
+
+Scenarios (each starts from empty caches: `reset_prefix_cache(reset_connector=True)`):
+- `fits`: long-doc QA whose dense working set (all layers, every token) fits in the CPU
+  tier; `over`: the same with a dense working set `--over` (3) times the CPU tier.
+  N documents of L tokens, each asked one of Q question suffixes per round, in one
+  shuffled order (`--order reshuffle`: a new one each round), `--batch` requests in
+  flight (one `llm.generate` of a list).
+  Round 0 is cold (nothing stored yet), the rest are warm.
+- `chat`: U users x T turns; a turn's prompt is the whole conversation so far, the
+  previous answers included, plus a new user message (`--chat-answer` generated tokens
+  per turn). With `--chat-align` (default) message lengths put each prompt's end half an
+  answer before a chunk boundary, so every answer completes a chunk that a connector
+  storing generated tokens can serve on the next turn.
+A warm-up (other documents: cold, then served again after a GPU-cache reset, with
+decoding) runs first, outside the measurements: Triton compiles cost seconds.
+
+Per round: wall time, TTFT per request (vLLM's `RequestOutput.metrics.first_token_latency`,
+from the request's arrival), the share of prompt tokens served from the store (vLLM's own
+counter `vllm:external_prefix_cache_hits` over the round's prompt tokens; what vLLM's GPU
+prefix cache served is `vllm:prefix_cache_hits`, counted apart), bytes stored per prompt
+token (this connector's `stats_file` save events; `vllm:kv_offload_store_bytes` for the
+OffloadingConnector) and every request's first token (exactness: compared with the same
+prompt under no connector and with the cold round; equal in batch-invariant mode).
+
+Every system runs in its own process (`--worker`), one after the other (`--parallel`:
+side by side, for exactness checks only). Writes DIR/serving.json (all systems, targets),
+DIR/serving.png (matplotlib, if installed), DIR/<system>.json, DIR/<system>.log and
+DIR/<system>-work/ (the model config; gemma4-kv's stats file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from array import array
+from pathlib import Path
+from types import SimpleNamespace
+
+SYSTEMS = ("none", "gemma4-kv", "offloading", "offloading-defaults")
+SCENARIOS = ("fits", "over", "chat")
+CHUNK = 256  # the connector's chunk_size (its default)
+GiB = 1 << 30
+
+# --tiny: vLLM's CPU build, the tests' tiny Gemma 4 (CI smoke test)
+TINY = dict(config="tiny", dtype="float32", block_size=32, cpu_gb=0.01, kv_cache_gb=0.004,
+            max_num_batched_tokens=512, doc_len=512, question_len=16, batch=2, max_tokens=2,
+            fits_rounds=3, over_rounds=2, retention_interval=512, chat_users=2, chat_turns=3,
+            chat_system=64, chat_history=128, chat_message=16, chat_answer=16,
+            warmup_docs=1, settle_s=0.2)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", required=True, help="directory for JSON, PNG and logs")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny model and sizes for vLLM's CPU build (smoke test)")
+    p.add_argument("--config", default="gemma4-12b-like", help="bundled model shape")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--block-size", type=int, help="vLLM block_size (default: vLLM's)")
+    p.add_argument("--systems", default="none,gemma4-kv,offloading",
+                   help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--cpu-gb", type=float, default=18.0,
+                   help="CPU tier of every connector: gemma4-kv cpu_gb, OffloadingConnector "
+                        "cpu_bytes_to_use")
+    p.add_argument("--kv-cache-gb", type=float, default=2.5,
+                   help="vLLM's GPU KV cache (kv_cache_memory_bytes), smaller than the "
+                        "working set")
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--retention-interval", type=int, default=8192,
+                   help="gemma4-kv retention_interval (tokens between stored sliding-window "
+                        "chunks)")
+    p.add_argument("--doc-len", type=int, default=8192)
+    p.add_argument("--question-len", type=int, default=64)
+    p.add_argument("--questions", type=int, default=2, help="question suffixes per document")
+    p.add_argument("--fits-docs", type=int,
+                   help="default: as many as fill 92%% of the CPU tier densely")
+    p.add_argument("--over", type=float, default=3.0,
+                   help="`over`: dense working set / CPU tier")
+    p.add_argument("--over-docs", type=int, help="default: from --over")
+    p.add_argument("--order", choices=("same", "reshuffle"), default="same",
+                   help="documents (and chat users) in one seeded shuffled order every "
+                        "round (LMCache long-doc-QA's `tile`: a cycle, LRU's worst case), "
+                        "or a new shuffle each round")
+    p.add_argument("--fits-rounds", type=int, default=4, help="rounds incl. the cold one")
+    p.add_argument("--over-rounds", type=int, default=3, help="rounds incl. the cold one")
+    p.add_argument("--batch", type=int, default=4, help="long-doc requests in flight")
+    p.add_argument("--max-tokens", type=int, default=4, help="long-doc answer tokens")
+    p.add_argument("--chat-users", type=int, default=8)
+    p.add_argument("--chat-turns", type=int, default=4)
+    p.add_argument("--chat-batch", type=int, help="chat requests in flight (default: users)")
+    p.add_argument("--chat-system", type=int, default=512, help="shared system prompt tokens")
+    p.add_argument("--chat-history", type=int, default=1536, help="per-user first context")
+    p.add_argument("--chat-message", type=int, default=256, help="user message tokens (min)")
+    p.add_argument("--chat-answer", type=int, default=32, help="generated tokens per turn")
+    p.add_argument("--chat-align", action=argparse.BooleanOptionalAction, default=True,
+                   help="end prompts half an answer before a chunk boundary")
+    p.add_argument("--warmup-docs", type=int, default=2)
+    p.add_argument("--settle-s", type=float, default=1.0,
+                   help="pause after each round so stores land (not timed)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--inproc", action="store_true",
+                   help="vLLM's CPU build: engine and worker in the benchmark's process "
+                        "(VLLM_ENABLE_V1_MULTIPROCESSING=0, uni executor; starts faster)")
+    p.add_argument("--parallel", action="store_true",
+                   help="run the systems side by side (exactness checks; not for timing)")
+    p.add_argument("--system-timeout", type=float, default=900.0,
+                   help="seconds one system's process may take")
+    p.add_argument("--label", default="", help="free text stored in the JSON (run, mode)")
+    if "--tiny" in (sys.argv[1:] if argv is None else argv):
+        p.set_defaults(**TINY)  # explicit options still win
+    args = p.parse_args(argv)
+    args.systems = [s for s in args.systems.split(",") if s]
+    args.scenarios = [s for s in args.scenarios.split(",") if s]
+    for s in args.systems:
+        if s not in SYSTEMS:
+            p.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    for s in args.scenarios:
+        if s not in SCENARIOS:
+            p.error(f"unknown scenario {s!r}; choose from {', '.join(SCENARIOS)}")
+    if args.question_len >= CHUNK:
+        p.error(f"--question-len must be < {CHUNK}: a document's end is then a stored "
+                "chunk boundary that every question of it can hit")
+    return args
+
+
+# -- model and sizes (both driver and workers; no CUDA, no vLLM) ---------------------------
+
+def model_config(args):
+    """The HF text config of the benchmarked shape."""
+    if args.config == "tiny":
+        from gemma4_kv.harness import tiny_gemma4_config
+
+        # window >= chunk_size: under chunked prefill a smaller window loses a chunk's first
+        # sliding blocks before the chunk completes (the connector warns), as no Gemma 4 does
+        return tiny_gemma4_config(window=256)
+    from gemma4_kv.cli import bundled_config
+    from gemma4_kv.hf_layout import load_text_config
+
+    cfg = load_text_config(bundled_config(args.config))
+    cfg.architectures = ["Gemma4ForCausalLM"]
+    return cfg
+
+
+def layout_of(args, cfg):
+    import torch
+
+    from gemma4_kv.hf_layout import hf_layout
+
+    kw = {"block_size": args.block_size} if args.block_size else {}
+    return hf_layout(cfg, dtype=getattr(torch, args.dtype), **kw)
+
+
+def sizes(args, layout) -> dict:
+    """Documents per long-doc scenario and what they take, densely and as retained by
+    this connector (plan.retained_chunks: sliding groups only before hit ends)."""
+    from gemma4_kv.plan import hit_ends, retained_chunks
+
+    dense = sum(g.bytes_per_token for g in layout.groups)
+    prompt = args.doc_len + args.question_len
+    n = prompt // CHUNK
+    limit = min(n * CHUNK, (prompt - 1) // layout.chunk_multiple * layout.chunk_multiple)
+    ends = hit_ends(n, CHUNK, limit, args.retention_interval)
+    kept = sum((n if g.window is None else len(retained_chunks(g, CHUNK, ends)))
+               * CHUNK * g.bytes_per_token for g in layout.groups)
+    doc_dense = n * CHUNK * dense
+    cpu = args.cpu_gb * GiB
+    fits = args.fits_docs or max(1, math.floor(0.92 * cpu / doc_dense))
+    over = args.over_docs or max(1, math.ceil(args.over * cpu / doc_dense))
+    return dict(dense_bytes_per_token=dense, doc_dense_bytes=doc_dense,
+                doc_retained_bytes=kept, retained_over_dense=kept / doc_dense,
+                fits_docs=fits, over_docs=over,
+                fits_dense_over_cpu=fits * doc_dense / cpu,
+                over_dense_over_cpu=over * doc_dense / cpu,
+                over_retained_over_cpu=over * kept / cpu)
+
+
+def max_model_len(args) -> int:
+    longdoc = args.doc_len + args.question_len + args.max_tokens
+    chat = (args.chat_system + args.chat_history
+            + args.chat_turns * (args.chat_message + CHUNK + args.chat_answer))
+    return -(-(max(longdoc, chat) + 64) // 128) * 128
+
+
+# -- workloads (identical token streams in every system's process) -------------------------
+
+def _tokens(seed: str, n: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)  # str seeds: the same in every process and Python run
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def prompt_key(tokens) -> str:
+    return hashlib.sha1(array("i", tokens).tobytes()).hexdigest()[:16]
+
+
+def longdoc_rounds(args, vocab: int, name: str, docs: int, rounds: int):
+    """[[(label, tokens)] per round]: every document once per round, shuffled, with
+    question (doc + round) % Q."""
+    base = f"{args.seed}:{name}"
+    doc = [_tokens(f"{base}:doc:{d}", args.doc_len, vocab) for d in range(docs)]
+    qs = [_tokens(f"{base}:q:{q}", args.question_len, vocab) for q in range(args.questions)]
+    out = []
+    for r in range(rounds):
+        order = list(range(docs))
+        random.Random(f"{base}:order" + (f":{r}" if args.order == "reshuffle" else "")
+                      ).shuffle(order)
+        out.append([(f"d{d}q{(d + r) % args.questions}", doc[d] + qs[(d + r) % args.questions])
+                    for d in order])
+    return out
+
+
+class Chat:
+    """U conversations; `turn(t)` gives this turn's prompts, `answered` extends them."""
+
+    def __init__(self, args, vocab: int):
+        self.args, self.vocab = args, vocab
+        system = _tokens(f"{args.seed}:system", args.chat_system, vocab)
+        self.conv = [system + _tokens(f"{args.seed}:history:{u}", args.chat_history, vocab)
+                     for u in range(args.chat_users)]
+        self.prev_prompt = [0] * args.chat_users
+
+    def message_len(self, u: int) -> int:
+        a, m = self.args, self.args.chat_message
+        if not a.chat_align:
+            return m
+        target = CHUNK - max(1, a.chat_answer // 2)  # prompt end, mod CHUNK
+        return m + (target - len(self.conv[u]) - m) % CHUNK
+
+    def turn(self, t: int):
+        users = list(range(self.args.chat_users))
+        random.Random(f"{self.args.seed}:chat-order"
+                      + (f":{t}" if self.args.order == "reshuffle" else "")).shuffle(users)
+        out = []
+        for u in users:
+            msg = _tokens(f"{self.args.seed}:msg:{u}:{t}", CHUNK + self.args.chat_message,
+                          self.vocab)[:self.message_len(u)]
+            out.append((u, self.conv[u] + msg))
+        return out
+
+    def answered(self, u: int, prompt: list[int], answer: list[int]) -> None:
+        self.prev_prompt[u] = len(prompt)
+        self.conv[u] = prompt + answer
+
+
+# -- worker: one system, one engine ---------------------------------------------------------
+
+def engine_kwargs(args, system: str, model: str, stats: Path, layout) -> dict:
+    from gemma4_kv.harness import connector_config, shim_kwargs
+
+    kw = dict(model=model, load_format="dummy", skip_tokenizer_init=True, dtype=args.dtype,
+              seed=0, enforce_eager=True, max_model_len=max_model_len(args),
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_seqs=max(args.batch, args.chat_batch or args.chat_users, 2),
+              enable_prefix_caching=True, disable_log_stats=False,
+              kv_cache_memory_bytes=int(args.kv_cache_gb * GiB))
+    if args.block_size:
+        kw["block_size"] = args.block_size
+    if args.inproc:
+        kw["distributed_executor_backend"] = "uni"
+    if args.config != "tiny":
+        kw.update(gpu_memory_utilization=args.gpu_memory_utilization,
+                  disable_custom_all_reduce=True)
+    if system == "gemma4-kv":
+        kw["kv_transfer_config"] = connector_config({
+            "cpu_gb": args.cpu_gb, "stats_file": str(stats),
+            "retention_interval": args.retention_interval})
+    elif system.startswith("offloading"):
+        import bench_ttft  # its OffloadingConnector settings (and the /dev/shm fallback)
+
+        cfg = bench_ttft.transfer_config(
+            SimpleNamespace(connector="offloading", cpu_gb=args.cpu_gb), layout, stats)
+        if system == "offloading-defaults":
+            extra = cfg["kv_connector_extra_config"]
+            cfg["kv_connector_extra_config"] = {"cpu_bytes_to_use": extra["cpu_bytes_to_use"]}
+        kw["kv_transfer_config"] = cfg
+    kw.update(shim_kwargs())
+    return kw
+
+
+def counters(llm) -> dict[str, float]:
+    """vLLM's counters, summed over labels."""
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        v = getattr(m, "value", None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[m.name] = out.get(m.name, 0) + v
+    return out
+
+
+class StatsTail:
+    """New lines of the connector's stats_file since the last call."""
+
+    def __init__(self, path: Path):
+        self.path, self.pos = path, 0
+
+    def take(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path) as f:
+            f.seek(self.pos)
+            text = f.read()
+        done = text.rfind("\n") + 1
+        self.pos += done
+        return [json.loads(line) for line in text[:done].splitlines() if line]
+
+
+def p90(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[max(0, math.ceil(0.9 * len(s)) - 1)] if s else 0.0
+
+
+def run_worker(args, system: str, result_path: Path) -> None:
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
+    import torch
+
+    from gemma4_kv.harness import sharpen_dummy_weights, shim_kwargs
+
+    from vllm.platforms import current_platform  # no CUDA initialised: the engine forks
+
+    if system.startswith("offloading") and not current_platform.is_cuda_alike():
+        raise SystemExit(f"{system}: vLLM's OffloadingConnector needs CUDA "
+                         "(its CPU offloading worker has no CPU-only path); skipped")
+    if shim_kwargs():  # vLLM without its compiled ops (GPU machine): stand-ins for the copy
+        import vllm_standins  # op and batch-invariant mode's query; the engine core forks
+
+        vllm_standins.install()
+    from vllm import LLM, SamplingParams
+
+    cfg = model_config(args)
+    layout = layout_of(args, cfg)
+    work = result_path.parent / f"{system}-work"  # the model's config, the stats file
+    work.mkdir(parents=True, exist_ok=True)
+    model = str(work / "model")
+    cfg.save_pretrained(model)
+    stats = work / "stats.jsonl"
+    kwargs = engine_kwargs(args, system, model, stats, layout)
+    result = dict(system=system, engine={k: v for k, v in kwargs.items() if k != "model"},
+                  sizes=sizes(args, layout), scenarios={})
+
+    def save():
+        tmp = result_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(result_path)
+
+    t = time.perf_counter()
+    llm = LLM(**kwargs)
+    result["startup_s"] = time.perf_counter() - t
+    llm.collective_rpc(sharpen_dummy_weights)
+    result["num_gpu_blocks"] = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    import vllm
+
+    result["versions"] = dict(vllm=vllm.__version__, torch=torch.__version__)
+    if torch.cuda.is_available():
+        result["gpu"] = torch.cuda.get_device_name(0)
+    vocab = cfg.vocab_size
+    tail = StatsTail(stats)
+    rng = random.Random(12345)
+    answer_sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
+                               detokenize=False)
+
+    def settle():
+        """A pause for asynchronous stores, then one tiny unrelated request: connectors
+        commit (and report) the stores that landed on the next engine step."""
+        time.sleep(args.settle_s)
+        llm.generate([{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(8)]}],
+                     SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+
+    def run_round(items, sp, batch: int) -> dict:
+        """items: [(label, tokens)], `batch` at a time in one llm.generate each."""
+        before, reqs = counters(llm), []
+        t0 = time.perf_counter()
+        for i in range(0, len(items), batch):
+            group = items[i:i + batch]
+            t = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": toks} for _, toks in group], sp,
+                                use_tqdm=False)
+            wall = time.perf_counter() - t
+            for (label, toks), o in zip(group, outs):
+                first = getattr(o.metrics, "first_token_latency", None) if o.metrics else None
+                reqs.append(dict(label=label, key=prompt_key(toks), prompt=len(toks),
+                                 cached=o.num_cached_tokens or 0, ttft=first or wall,
+                                 ttft_from_metrics=bool(first),
+                                 output=list(o.outputs[0].token_ids)))
+        wall = time.perf_counter() - t0
+        settle()
+        after = counters(llm)
+        delta = {k: v - before.get(k, 0) for k, v in after.items()}
+        events = tail.take()
+        prompt = sum(r["prompt"] for r in reqs)
+        ttfts = [r["ttft"] for r in reqs]
+        saved = sum(g["bytes"] for e in events if e["event"] == "save"
+                    for g in e["groups"].values())
+        loads = [e for e in events if e["event"] == "load"]
+        if system == "gemma4-kv":
+            stored = saved
+            loaded = sum(g["bytes"] for e in loads for g in e["groups"].values())
+        elif system == "none":
+            stored = loaded = 0
+        else:  # the OffloadingConnector's own counters (None if this vLLM has none)
+            stored = delta.get("vllm:kv_offload_store_bytes",
+                               0 if "vllm:kv_offload_store_bytes" in after else None)
+            loaded = delta.get("vllm:kv_offload_load_bytes",
+                               0 if "vllm:kv_offload_load_bytes" in after else None)
+        external = delta.get("vllm:external_prefix_cache_hits", 0)
+        local = delta.get("vllm:prefix_cache_hits", 0)
+        return dict(wall_s=wall, requests=len(reqs), prompt_tokens=prompt,
+                    ttft_mean_s=statistics.fmean(ttfts), ttft_p90_s=p90(ttfts),
+                    store_share=external / prompt, gpu_share=local / prompt,
+                    cached_share=sum(r["cached"] for r in reqs) / prompt,
+                    store_tokens=external, gpu_tokens=local,
+                    store_tokens_from_loads=sum(e["end"] - e["start"] for e in loads),
+                    stored_bytes=stored,
+                    stored_bytes_per_token=None if stored is None else stored / prompt,
+                    loaded_bytes=loaded, preemptions=delta.get("vllm:num_preemptions", 0),
+                    counters={k: v for k, v in delta.items() if v and (
+                        "cache" in k or "kv_offload" in k or "gemma4_kv" in k
+                        or "preempt" in k or k == "vllm:prompt_tokens")},
+                    req=reqs)
+
+    def reset():
+        ok = llm.reset_prefix_cache(reset_connector=system != "none")
+        tail.take()
+        return ok
+
+    # Warm-up: prefill, a store and its hit, decoding, then empty caches.
+    t = time.perf_counter()
+    warm = longdoc_rounds(args, vocab, "warmup", max(1, args.warmup_docs), 1)[0]
+    run_round(warm, answer_sp, args.batch)
+    llm.reset_prefix_cache()  # vLLM's GPU cache only: the next round hits the store
+    run_round(warm, answer_sp, args.batch)
+    result["warmup_s"] = time.perf_counter() - t
+    result["warmup_reset_ok"] = reset()
+    save()
+
+    sz = result["sizes"]
+    for name in args.scenarios:
+        t = time.perf_counter()
+        if name == "chat":
+            rounds = run_chat(args, vocab, run_round)
+        else:
+            docs, n = ((sz["fits_docs"], args.fits_rounds) if name == "fits"
+                       else (sz["over_docs"], args.over_rounds))
+            rounds = []
+            for r, items in enumerate(longdoc_rounds(args, vocab, name, docs, n)):
+                rounds.append(dict(round=r, kind="cold" if r == 0 else "warm",
+                                   **run_round(items, answer_sp, args.batch)))
+                print(f"[{system}] {name} round {r}: {rounds[-1]['wall_s']:.2f} s, "
+                      f"store {100 * rounds[-1]['store_share']:.1f}%", flush=True)
+        result["scenarios"][name] = dict(rounds=rounds, wall_s=time.perf_counter() - t,
+                                         reset_ok=reset())
+        save()
+    result["done"] = True
+    save()
+
+
+def run_chat(args, vocab: int, run_round) -> list[dict]:
+    from vllm import SamplingParams
+
+    chat = Chat(args, vocab)
+    sp = SamplingParams(max_tokens=args.chat_answer, temperature=0.0, ignore_eos=True,
+                        detokenize=False)
+    rounds = []
+    for t in range(args.chat_turns):
+        items = chat.turn(t)
+        prev = {u: (chat.prev_prompt[u], len(chat.conv[u])) for u, _ in items}
+        rec = run_round([(f"u{u}t{t}", p) for u, p in items], sp,
+                        args.chat_batch or args.chat_users)
+        for (u, prompt), r in zip(items, rec["req"]):
+            chat.answered(u, prompt, r["output"])
+            if t:
+                prev_prompt, history = prev[u]
+                # the KV of the last answer token was never computed: history - 1 tokens
+                r["history"] = history
+                r["covers_history"] = r["cached"] >= (history - 1) // CHUNK * CHUNK
+                r["includes_answer"] = r["cached"] > prev_prompt
+        later = [r for r in rec["req"] if "history" in r]
+        rec.update(round=t, kind="cold" if t == 0 else "warm",
+                   includes_answer=(sum(r["includes_answer"] for r in later) / len(later)
+                                    if later else None),
+                   covers_history=(sum(r["covers_history"] for r in later) / len(later)
+                                   if later else None))
+        rounds.append(rec)
+        print(f"turn {t}: {rec['wall_s']:.2f} s, store {100 * rec['store_share']:.1f}%, "
+              f"answer in hit {rec['includes_answer']}", flush=True)
+    return rounds
+
+
+# -- driver ----------------------------------------------------------------------------------
+
+def run_systems(args, argv: list[str]) -> dict:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONHASHSEED="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    if args.inproc:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    procs = {}
+    stopped = []
+
+    def stop(signum, frame):
+        """SIGTERM / SIGINT (e.g. `timeout`): end the workers' process groups (vLLM's
+        engine cores too), then summarize what finished."""
+        stopped.append(signum)
+        for proc, _, _ in procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+    def start(system):
+        log = open(out / f"{system}.log", "w")
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", system,
+               str(out / f"{system}.json"), *argv]
+        print(f"== {system}: {' '.join(cmd[1:])}", flush=True)
+        # own session: on timeout the whole group (vLLM's engine core too) is killed
+        procs[system] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True), log, time.perf_counter())
+
+    def finish(system):
+        proc, log, t0 = procs[system]
+        try:
+            proc.wait(timeout=max(1.0, args.system_timeout - (time.perf_counter() - t0)))
+        except subprocess.TimeoutExpired:
+            print(f"== {system}: timed out after {args.system_timeout:.0f} s", flush=True)
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # leftovers of its group
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(2)
+        proc.wait()
+        log.close()
+        return proc.returncode, time.perf_counter() - t0
+
+    results = {}
+    pending = list(args.systems)
+    if any(s.startswith("offloading") for s in pending) and not cuda_present():
+        for s in [s for s in pending if s.startswith("offloading")]:
+            msg = (f"{s}: skipped: vLLM's OffloadingConnector needs CUDA (its CPU "
+                   "offloading worker has no CPU-only path)")
+            print(f"== {msg}", flush=True)
+            results[s] = dict(system=s, skipped=msg)
+            pending.remove(s)
+    while pending and not stopped:
+        batch = pending if args.parallel else pending[:1]
+        pending = pending[len(batch):]
+        for s in batch:
+            start(s)
+        for s in batch:
+            rc, wall = finish(s)
+            path = out / f"{s}.json"
+            r = json.loads(path.read_text()) if path.exists() else {"system": s}
+            r.update(returncode=rc, process_s=wall)
+            if rc != 0 or not r.get("done"):
+                lines = (out / f"{s}.log").read_text(errors="replace").splitlines()
+                r["error"] = "\n".join(lines[-25:])
+                print(f"== {s}: exit {rc}; log tail:\n" + "\n".join(lines[-8:]), flush=True)
+            results[s] = r
+    for s in pending:
+        results[s] = dict(system=s, error=f"not run: stopped by signal {stopped[0]}")
+    return results
+
+
+def cuda_present() -> bool:
+    import torch  # the driver never starts vLLM, so CUDA may be initialised here
+
+    return torch.cuda.is_available()
+
+
+def exactness(results: dict) -> dict:
+    """First tokens: each system against `none` on the same prompt, and each system's
+    warm rounds against its own cold round."""
+    def firsts(r):
+        out = {}
+        for name, sc in r.get("scenarios", {}).items():
+            for rd in sc["rounds"]:
+                for q in rd["req"]:
+                    if q["output"]:
+                        out.setdefault((name, q["key"]), []).append((rd["round"],
+                                                                     q["output"][0]))
+        return out
+
+    ref = firsts(results["none"]) if "none" in results else {}
+    report = {}
+    for s, r in results.items():
+        if not r.get("scenarios"):
+            continue
+        mine = firsts(r)
+        vs_none = [(k, v[0][1], ref[k][0][1]) for k, v in mine.items() if k in ref]
+        cold_warm = [(k, a, b) for k, v in mine.items() for (_, a) in v[:1] for (_, b) in v[1:]]
+        report[s] = dict(
+            compared_with_none=len(vs_none) if s != "none" else None,
+            differ_from_none=(sum(a != b for _, a, b in vs_none) if s != "none" else None),
+            repeated_prompts=len(cold_warm),
+            differ_from_first_time=sum(a != b for _, a, b in cold_warm))
+    return report
+
+
+def targets(results: dict) -> dict:
+    """The issue's targets, where this run has the systems and scenarios they need."""
+    def rounds(s, name):
+        return results.get(s, {}).get("scenarios", {}).get(name, {}).get("rounds", [])
+
+    def warm(s, name, key="wall_s"):
+        xs = [r[key] for r in rounds(s, name) if r["kind"] == "warm"]
+        return statistics.fmean(xs) if xs else None
+
+    def share(s, name, key="store_tokens"):
+        rs = [r for r in rounds(s, name) if r["kind"] == "warm"]
+        p = sum(r["prompt_tokens"] for r in rs)
+        return sum(r[key] for r in rs) / p if p else None
+
+    t = {}
+    for name in ("fits", "over"):
+        cold = {s: rounds(s, name)[0]["wall_s"] for s in results if rounds(s, name)}
+        if "none" in cold and "gemma4-kv" in cold:
+            x = cold["gemma4-kv"] / cold["none"] - 1
+            t[f"{name}_cold_vs_none"] = dict(value=x, goal="<= +3%", met=x <= 0.03)
+    g, o = warm("gemma4-kv", "fits"), warm("offloading", "fits")
+    if g and o:
+        t["fits_warm_vs_offloading"] = dict(value=g / o, goal="<= 0.8x", met=g / o <= 0.8)
+    sh = share("gemma4-kv", "over")
+    if sh is not None:
+        t["over_warm_store_share"] = dict(value=sh, goal=">= 90%", met=sh >= 0.9,
+                                          gpu_share=share("gemma4-kv", "over", "gpu_tokens"))
+    for off in ("offloading", "offloading-defaults"):
+        g, o = warm("gemma4-kv", "over"), warm(off, "over")
+        if g and o:
+            t[f"over_warm_vs_{off}"] = dict(value=g / o, goal="< 1x", met=g / o < 1)
+    later = [r for r in rounds("gemma4-kv", "chat") if r["kind"] == "warm"]
+    if later:
+        x = min(r["includes_answer"] for r in later)
+        t["chat_turns_hit_answers"] = dict(value=x, goal="100% of turns after the first",
+                                           met=x == 1.0)
+    return t
+
+
+def summarize(args, results: dict, command: str) -> dict:
+    import platform
+
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), command=command, label=args.label,
+                config=args.config, host=platform.node(),
+                batch_invariant=os.environ.get("VLLM_BATCH_INVARIANT") == "1",
+                args={k: v for k, v in vars(args).items() if k != "out"})
+    first = next((r for r in results.values() if "versions" in r), {})
+    meta.update(first.get("versions", {}))
+    if first.get("gpu"):
+        meta["gpu"] = first["gpu"]
+    meta["sizes"] = next((r["sizes"] for r in results.values() if "sizes" in r), None)
+    return dict(meta=meta, systems=results, exactness=exactness(results),
+                targets=targets(results))
+
+
+def _num(x, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:{width}.{digits}f}"
+
+
+def print_table(summary: dict) -> None:
+    m = summary["meta"]
+    sz = m.get("sizes") or {}
+    print(f"\n{m['config']}, {m.get('gpu', 'CPU')}, batch-invariant {m['batch_invariant']}, "
+          f"CPU tier {m['args']['cpu_gb']} GiB, GPU KV {m['args']['kv_cache_gb']} GiB")
+    if sz:
+        print(f"docs: fits {sz['fits_docs']} ({sz['fits_dense_over_cpu']:.2f}x the CPU tier "
+              f"dense), over {sz['over_docs']} ({sz['over_dense_over_cpu']:.2f}x dense, "
+              f"{sz['over_retained_over_cpu']:.2f}x as gemma4-kv retains it: "
+              f"{100 * sz['retained_over_dense']:.1f}% of dense)")
+    head = (f"{'scenario':8} {'system':19} {'rnd':>3} {'kind':4} {'wall s':>7} {'ttft':>6} "
+            f"{'p90':>6} {'store':>6} {'gpu':>6} {'B/tok':>8} {'load GB':>7} {'note':}")
+    print(head)
+    for name in SCENARIOS:
+        for s, r in summary["systems"].items():
+            for rd in r.get("scenarios", {}).get(name, {}).get("rounds", []):
+                note = ""
+                if rd.get("includes_answer") is not None:
+                    note = f"answer in hit {100 * rd['includes_answer']:.0f}%"
+                if rd.get("preemptions"):
+                    note += f" preempted {rd['preemptions']:.0f}"
+                print(f"{name:8} {s:19} {rd['round']:3} {rd['kind']:4} {rd['wall_s']:7.2f} "
+                      f"{rd['ttft_mean_s']:6.3f} {rd['ttft_p90_s']:6.3f} "
+                      f"{100 * rd['store_share']:5.1f}% {100 * rd['gpu_share']:5.1f}% "
+                      f"{_num(rd['stored_bytes_per_token'], 8, 0)} "
+                      f"{_num(rd['loaded_bytes'] and rd['loaded_bytes'] / 1e9, 7, 2)} "
+                      f"{note}")
+    for s, r in summary["systems"].items():
+        if r.get("skipped"):
+            print(r["skipped"])
+        elif r.get("error"):
+            print(f"{s}: did not finish (exit {r.get('returncode')}): "
+                  f"{r['error'].splitlines()[-1] if r['error'] else ''}")
+    print("exactness (first tokens):", json.dumps(summary["exactness"]))
+    for k, v in summary["targets"].items():
+        print(f"target {k}: {v['value']:.3f} (goal {v['goal']}) "
+              f"{'met' if v['met'] else 'NOT met'}")
+
+
+def plot(summary: dict, path: str) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no PNG (later: --plot-only OUT.png JSON)")
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in SCENARIOS if any(n in r.get("scenarios", {})
+                                         for r in summary["systems"].values())]
+    systems = [s for s, r in summary["systems"].items() if r.get("scenarios")]
+    rows = (("wall_s", "round wall time (s)"), ("ttft_mean_s", "mean TTFT (s), p90 dot"),
+            ("store_share", "prompt tokens: store (solid),\nvLLM GPU cache (light)"))
+    fig, axes = plt.subplots(len(rows), len(names), figsize=(5.2 * len(names), 9.5),
+                             squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    w = 0.8 / max(1, len(systems))
+    for col, name in enumerate(names):
+        for row, (key, label) in enumerate(rows):
+            ax = axes[row][col]
+            n = 0
+            for k, s in enumerate(systems):
+                rs = summary["systems"][s]["scenarios"].get(name, {}).get("rounds", [])
+                x = [r["round"] + (k - (len(systems) - 1) / 2) * w for r in rs]
+                y = [r[key] for r in rs]
+                c = colors[k % len(colors)]
+                ax.bar(x, y, w, label=s, color=c)
+                if key == "ttft_mean_s":
+                    ax.plot(x, [r["ttft_p90_s"] for r in rs], ".", color="black", ms=4)
+                if key == "store_share":
+                    ax.bar(x, [r["gpu_share"] for r in rs], w, bottom=y, color=c, alpha=0.35)
+                n = max(n, len(rs))
+            ax.set_xticks(range(n))
+            ax.set_xlabel("turn (0 = first)" if name == "chat" else "round (0 = cold)")
+            ax.set_ylabel(label, fontsize=8)
+            if key == "store_share":
+                ax.set_ylim(0, 1.05)
+            ax.set_title(f"{name} ({summary['meta']['config']}, "
+                         f"{summary['meta'].get('gpu', 'CPU')})", fontsize=9)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--plot-only"]:  # --plot-only OUT.png RESULT.json
+        summary = json.loads(Path(argv[2]).read_text())
+        return 0 if plot(summary, argv[1]) else 1
+    if argv[:1] == ["--worker"]:  # --worker SYSTEM RESULT.json ARGS...
+        run_worker(parse_args(argv[3:]), argv[1], Path(argv[2]))
+        return 0
+    args = parse_args(argv)
+    command = "python benchmarks/bench_serving.py " + " ".join(argv)
+    results = run_systems(args, argv)
+    summary = summarize(args, results, command)
+    out = Path(args.out)
+    (out / "serving.json").write_text(json.dumps(summary, indent=1))
+    print_table(summary)
+    plot(summary, str(out / "serving.png"))
+    print(f"wrote {out / 'serving.json'}")
+    return 0 if all(r.get("done") or r.get("skipped") for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
