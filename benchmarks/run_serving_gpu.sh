@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call on one H200 (.gpu-vllm and .whl carried, as for run_final_gpu.sh): the
 # serving benchmark on the 12B-like shape, then its exactness check. Everything lands in
-# $OUT: serving/ (timing: serving.json, serving.png, one JSON and log per system),
-# exact/ (batch-invariant first tokens), gpu.txt and the two drivers' logs.
+# $OUT/serving_results.tar.gz: serving/ (timing: serving.json, serving.png, one JSON and
+# log per system), exact/ (batch-invariant first tokens), gpu.txt and the drivers' logs.
 #
 #   bash benchmarks/run_serving_gpu.sh [timing|exact|all]     (default all; ~8 min)
 #
@@ -25,6 +25,7 @@ cd "$(dirname "$0")/.."
 source .gpu-vllm/env.sh
 source benchmarks/gpu_env.sh
 what=${1:-all}
+FINAL_OUT=$OUT OUT=/tmp/serving_results && mkdir -p $OUT  # one archive comes back
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   df -h /dev/shm; free -g; nproc; } > "$OUT/gpu.txt" 2>&1
 
@@ -53,3 +54,4 @@ for f in "$OUT/serving.log" "$OUT/exact.log"; do
   echo "== $f"
   sed -n '/^gemma4-12b-like,/,$p' "$f" | grep -v "^wrote" || tail -20 "$f"
 done
+tar czf "$FINAL_OUT/serving_results.tar.gz" -C /tmp serving_results
