@@ -26,5 +26,4 @@ for mode in store from-tier; do
     --out $R/ttft_31b_valkey_$mode.json > $R/ttft_31b_valkey_$mode.log 2>&1
   grep -A4 "^gemma4-" $R/ttft_31b_valkey_$mode.log || tail -8 $R/ttft_31b_valkey_$mode.log
 done
-valkey-cli -p 6390 info memory 2>/dev/null | grep used_memory_human >> $R/gpu.txt
 tar czf "$OUT/results.tar.gz" -C /tmp results
