@@ -1,0 +1,1 @@
+"""Storage tiers outside the worker process (a running `lmcache server`, ...)."""
