@@ -186,7 +186,7 @@ class LookupService:
              loaded: set) -> Hit | None:
         cells = hit_chunks(self.layout, start, hit, self.chunk_size)
         keys = [(hashes[c], g) for g, c in cells]
-        pinned = self.store.pin(keys)
+        pinned = self.store.pin(keys, hashes)
         if pinned is None:
             return None
         self.store.touch([(hashes[c], g) for g, c in sorted(cells, key=lambda gc: gc[1])])

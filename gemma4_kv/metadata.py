@@ -29,6 +29,9 @@ class SaveRequest:
     hashes: list[bytes]
     groups: list[tuple[int, ...]]
     block_ids: tuple[list[int], ...]
+    prefix: list[bytes] = field(default_factory=list)
+    """Hashes of chunks 0 .. first_chunk - 1, for stores that key a chunk by its whole
+    prefix (`lmcache_server`); empty otherwise."""
 
 
 @dataclass

@@ -47,7 +47,7 @@ class Saver:
             if blocks:
                 plans[h] = blocks
                 wanted.append((h, [cb.group_id for cb in blocks]))
-        objects = self.store.reserve(wanted) if wanted else {}
+        objects = self.store.reserve(wanted, save.prefix + save.hashes) if wanted else {}
         per_group = defaultdict(list)
         for h, blocks in plans.items():
             for cb in blocks:

@@ -240,9 +240,13 @@ class ConnectorScheduler:
             # The live block table: out-of-window sliding blocks are the null block here,
             # and their old ids may already belong to another request.
             block_ids = tuple(list(b) for b in self.kv_cache_manager.get_block_ids(req_id))
-            hashes = self._hashes(st, done * self.chunk_size)[st.next_chunk:done]
+            every = self._hashes(st, done * self.chunk_size)
+            hashes = every[st.next_chunk:done]
             groups = [self._groups_to_store(st, c) for c in range(st.next_chunk, done)]
-            meta.saves.append(SaveRequest(req_id, st.next_chunk, hashes, groups, block_ids))
+            # lmcache_server keys a chunk by its whole prefix: send the hashes before it.
+            prefix = every[:st.next_chunk] if self.settings.lmcache_server else []
+            meta.saves.append(SaveRequest(req_id, st.next_chunk, hashes, groups, block_ids,
+                                          prefix))
             st.stored += [()] * (st.next_chunk - len(st.stored)) + groups
             st.next_chunk = done
         return meta

@@ -187,6 +187,34 @@ def _stats_file(v):
     return v
 
 
+def _server_url(v):
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v.strip():
+        raise _Bad("must be a URL string or null", 'write e.g. "tcp://127.0.0.1:5555", or '
+                   "leave the key out")
+    m = re.fullmatch(r"tcp://([^:/\s\[\]]+|\[[0-9a-fA-F:]+\]):(\d{1,5})", v.strip())
+    if m and 0 < int(m.group(2)) < 65536:
+        return v.strip()
+    if re.fullmatch(r"[^:/\s]+:\d{1,5}", v.strip()):
+        raise _Bad("must name its transport", f'write "tcp://{v.strip()}"')
+    raise _Bad("must be tcp://HOST:PORT (the address `lmcache server --host --port` "
+               "listens on)", 'write e.g. "tcp://127.0.0.1:5555"')
+
+
+def server_endpoint(url: str) -> tuple[str, int]:
+    """(host, port) of an `lmcache_server` URL (checked by `_server_url`)."""
+    host, port = url.removeprefix("tcp://").rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+SERVER_TIMEOUT_MAX_S = 1.5
+"""`lmcache_server_timeout_s` stays below the scheduler's 2 s wait for a worker rank
+(scheduler.RANK_TIMEOUT_S): a lookup that finds the server gone still answers in time."""
+SERVER_EXCLUSIVE = ("cpu_gb", "disk_path", "disk_gb", "l2_adapters")
+"""Tiers of the embedded store: with `lmcache_server` the server's own tiers serve."""
+
+
 # -- l2_adapters: each one checked by LMCache's own `lmcache server --l2-adapter` parser --
 
 _EXAMPLE = '[{"type": "resp", "host": "redis.local", "port": 6379}]'
@@ -391,6 +419,16 @@ class ConnectorSettings:
         True, "verify each object's checksum when it comes up from an L2 tier", _boolean)
     save_decode_tokens: bool = _key(
         True, "also store chunks completed by generated (decode) tokens", _boolean)
+    lmcache_server: str | None = _key(
+        None, "URL (`tcp://HOST:PORT`) of a running `lmcache server` on this host "
+        "(LMCache 0.5.6, engine-driven, shared-memory L1) that stores the KV instead of "
+        "the embedded tiers, shared by every engine pointed at it; not with `cpu_gb`, "
+        "`disk_path`, `disk_gb`, `l2_adapters`; sliding-window chunks are then stored "
+        "for every chunk (see \"Sharing one cache\")", _server_url)
+    lmcache_server_timeout_s: float = _key(
+        1.0, "seconds one call to `lmcache_server` may wait for an answer before the "
+        "server counts as down (misses until it answers again); at most "
+        f"{SERVER_TIMEOUT_MAX_S:g}", _number(above=0), shown="1")
     lmcache_log_level: str = _key(
         "WARNING", "level of LMCache's own logs (DEBUG/INFO/WARNING/ERROR); its per-request "
         "INFO lines stay out of vLLM's log unless asked", _choice(LOG_LEVELS))
@@ -418,6 +456,8 @@ class ConnectorSettings:
                     fix = bad.fix if v is not None else \
                         f"{bad.fix}, or leave the key out (default {_json(f.default)})"
                     raise _error(f'["{f.name}"]{bad.sub}', bad.problem, got, fix) from None
+        if values.get("lmcache_server"):
+            values.update(_with_server(values, extra))
         s = cls(**values)
         s._check_together()
         return s
@@ -441,6 +481,11 @@ class ConnectorSettings:
                              "(two tiers would evict each other's files)",
                              _show(_redacted(spec)), "remove this adapter or disk_path")
 
+    @property
+    def embedded_store(self) -> bool:
+        """The store is LMCache's storage layer in this process (not `lmcache_server`)."""
+        return not self.lmcache_server
+
     def store_config(self, ranks: int = 1) -> StoreConfig:
         """The store of ONE of `ranks` tensor-parallel ranks: `cpu_gb` and `disk_gb` are per
         engine, so each rank gets 1/ranks of them."""
@@ -450,6 +495,37 @@ class ConnectorSettings:
                            disk_path=self.disk_path, disk_gb=self.disk_gb / ranks,
                            l2_adapters=tuple(copy.deepcopy(self.l2_adapters)),
                            verify_checksums=self.verify_checksums)
+
+
+def _with_server(values: dict, extra: Mapping) -> dict:
+    """What `lmcache_server` changes: no embedded tiers, sliding-window chunks stored for
+    every chunk (LMCache 0.5.6 reports only the leading run of stored chunks of each
+    group, so a sliding group past an unstored chunk could never hit), and checksums
+    always verified (0.5.6 makes a dead client's unfinished writes visible)."""
+    url = values["lmcache_server"]
+    given = [k for k in SERVER_EXCLUSIVE if k in extra]
+    if given:
+        raise _error(f'["{given[0]}"]', "cannot be combined with lmcache_server (the "
+                     "server's own L1 and L2 tiers store the KV)", _show(extra[given[0]]),
+                     f"remove {', '.join(given)}, or remove lmcache_server ({_json(url)}); "
+                     "size the server with `lmcache server --l1-size-gb` / `--l2-adapter`")
+    r = values.get("retention_interval", 0)
+    if "retention_interval" in extra and r != 0:
+        raise _error('["retention_interval"]', "must be 0 with lmcache_server: LMCache 0.5.6 "
+                     "reports only the leading run of stored chunks of each group, so "
+                     "sliding-window chunks are stored for every chunk", _show(r),
+                     "remove retention_interval (or write 0)")
+    if values.get("verify_checksums") is False:
+        raise _error('["verify_checksums"]', "cannot be false with lmcache_server: LMCache "
+                     "0.5.6 makes a dead client's unfinished writes visible, so every object "
+                     "read from the server is verified", _show(False),
+                     "remove verify_checksums")
+    t = values.get("lmcache_server_timeout_s", 1.0)
+    if t > SERVER_TIMEOUT_MAX_S:
+        raise _error('["lmcache_server_timeout_s"]', f"must be at most {SERVER_TIMEOUT_MAX_S:g} "
+                     "(the scheduler waits 2 s for a worker rank's lookup answer)", _show(t),
+                     f"write a number in (0, {SERVER_TIMEOUT_MAX_S:g}]")
+    return {"retention_interval": 0}
 
 
 def _unknown(unknown: list, known: list[str]) -> SettingsError:
@@ -531,6 +607,8 @@ def check_host_resources(settings: ConnectorSettings, ranks: int = 1) -> None:
     Call it before any rank allocates its store (e.g. every rank, then a TP barrier): the
     whole `cpu_gb` must fit in what is available now, minus `memory_headroom`.
     """
+    if not settings.embedded_store:
+        return  # the server's tiers live in its own process
     available, total = memory_room()
     need, spare = settings.cpu_gb * GiB, memory_headroom(total)
     if need > available - spare:
@@ -584,7 +662,17 @@ def tier_endpoints(spec: dict) -> tuple[list[tuple[str, int]], bool]:
 
 def check_tiers_reachable(settings: ConnectorSettings, timeout_s: float = 1.0) -> None:
     """A TCP connect to each network tier in `l2_adapters` (resp, valkey): an unreachable
-    tier fails start-up naming it, instead of every lookup waiting on it later."""
+    tier fails start-up naming it, instead of every lookup waiting on it later; likewise
+    `lmcache_server` (its version and shared memory are checked when the store opens)."""
+    if settings.lmcache_server:
+        host, port = server_endpoint(settings.lmcache_server)
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+        except (OSError, OverflowError) as e:
+            raise _error('["lmcache_server"]', f"cannot be reached within {timeout_s:g} s "
+                         f"({getattr(e, 'strerror', None) or e})",
+                         _show(settings.lmcache_server), "start it (the README's `lmcache "
+                         "server` command line) or correct the URL") from None
     for i, spec in enumerate(settings.l2_adapters):
         try:
             endpoints, any_one = tier_endpoints(spec)

@@ -187,9 +187,11 @@ class ChunkStore:
                         if keys[i] not in self._maybe_untrusted and keys[i] not in self._bad}
         return out
 
-    def pin(self, chunk_keys: Iterable[ChunkKey]) -> Pinned | None:
+    def pin(self, chunk_keys: Iterable[ChunkKey], prefix: Sequence[bytes] = ()
+            ) -> Pinned | None:
         """Read-lock these objects in L1 and take views of their KV tensors; all or
-        nothing. An object that is missing, untrusted or of another shape is a miss."""
+        nothing. An object that is missing, untrusted or of another shape is a miss.
+        (`prefix`, the hashes from chunk 0, is for stores that key by it: not this one.)"""
         chunk_keys = list(chunk_keys)
         locked: list = []
         for gid in self._groups:
@@ -326,11 +328,13 @@ class ChunkStore:
         return [adapter for _, adapter in self._sm.l2_adapters()]
 
     # -- write ------------------------------------------------------------------------
-    def reserve(self, chunks: Sequence[tuple[bytes, Sequence[int]]]
+    def reserve(self, chunks: Sequence[tuple[bytes, Sequence[int]]],
+                prefix: Sequence[bytes] = ()
                 ) -> dict[ChunkKey, tuple[torch.Tensor, torch.Tensor, int]]:
         """Empty objects to fill for `chunks` = [(chunk hash, group ids to store)], as
         {(hash, group): (KV tensor, trailer tensor, trailer key)}. Objects already in
-        L1 are skipped; a chunk that cannot get all its missing objects gets none."""
+        L1 are skipped; a chunk that cannot get all its missing objects gets none.
+        (`prefix` as in `pin`: unused here.)"""
         wanted = {gid: [] for gid in self._groups}
         for h, gids in chunks:
             for gid in gids:

@@ -24,7 +24,8 @@ from .metadata import Gemma4KVMetadata
 from .metrics import Gemma4KVStats, StatsFile
 from .plan import ChunkBlocks, load_blocks
 from .saves import Saver
-from .settings import ConnectorSettings, check_host_resources, check_tiers_reachable
+from .settings import (ConnectorSettings, SettingsError, check_host_resources,
+                       check_tiers_reachable)
 from .staging import StagingPool
 from .store import ChunkStore, set_lmcache_log_level
 from .transfer import Transfer
@@ -43,6 +44,27 @@ def forward_order(layout) -> list[tuple[int, int, str]]:
     drafts = {n for g in layout.groups for n in g.draft_layers}
     return sorted(((g.group_id, p, n) for g in layout.groups for p, n in enumerate(g.layers)),
                   key=key)
+
+
+def open_store(settings: ConnectorSettings, layout, fingerprint: str, chunk_size: int,
+               world: int, rank: int, device: torch.device, stats):
+    """The embedded ChunkStore, or the store on `lmcache_server` (a start-up failure
+    names the key: unreachable, another LMCache version, no shared memory here)."""
+    if settings.embedded_store:
+        return ChunkStore(layout, fingerprint, chunk_size, settings.store_config(ranks=world),
+                          kv_rank=rank, stats=stats)
+    from .tiers.mp_server import ServerUnavailable, UnsupportedServer
+    from .tiers.server_store import ServerStore
+
+    try:
+        # The fingerprint names the rank: each rank registers groups of its own.
+        return ServerStore(layout, fingerprint, chunk_size, url=settings.lmcache_server,
+                           timeout_s=settings.lmcache_server_timeout_s,
+                           cuda=device.type == "cuda", stats=stats)
+    except (ServerUnavailable, UnsupportedServer) as e:
+        raise SettingsError(f'gemma4-kv: kv_connector_extra_config["lmcache_server"] cannot '
+                            f"be used: {e}; fix: start the README's `lmcache server` command "
+                            "line (LMCache 0.5.6, on this host) or remove the key") from None
 
 
 class ConnectorWorker:
@@ -90,9 +112,8 @@ class ConnectorWorker:
             # The scheduler half sees the same and never asks or saves; say it once here.
             logger.warning("gemma4-kv: KV of this engine cannot be keyed safely (%s): "
                            "nothing is stored or loaded", engine.unsafe or bad_layers)
-        self.store = ChunkStore(self.layout, self.fingerprint, self.chunk_size,
-                                self.settings.store_config(ranks=world), kv_rank=rank,
-                                stats=self.stats)
+        self.store = open_store(self.settings, self.layout, self.fingerprint, self.chunk_size,
+                                world, rank, device, self.stats)
         self.transfer = Transfer(device, self.settings.num_programs)
         pool = StagingPool(self.settings.staging_mb << 20, device) if self.transfer.cuda \
             else None
@@ -108,9 +129,10 @@ class ConnectorWorker:
             socket_address(engine_id, engine_core_pid(self.vllm_config), rank),
             self.lookups.handle)
         self.record.layout_event(self.fingerprint)
-        logger.info("gemma4-kv: %d groups, fingerprint %s, store %.2f GiB on rank %d",
+        logger.info("gemma4-kv: %d groups, fingerprint %s, store %s on rank %d",
                     len(self.layout.groups), self.fingerprint,
-                    self.settings.cpu_gb / world, rank)
+                    self.settings.lmcache_server or f"{self.settings.cpu_gb / world:.2f} GiB",
+                    rank)
 
     def _warm_up(self) -> None:
         """Compile the kernels now rather than in the first hit's TTFT (0.4 s measured

@@ -1,13 +1,13 @@
-"""The lmcache-server tier against a real `lmcache server` process (engine-driven, SHM L1).
+"""The store on a running `lmcache server` (engine-driven, SHM L1) against real server
+processes: `ServerStore` (what the connector uses) and its wire client `MPServerTier`.
 
-Clients run in separate OS processes; the server's own status page is the oracle for
-locks and sessions left behind.
+Clients run in separate OS processes where it matters; the server's own status page is
+the oracle for locks and sessions left behind.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -22,27 +22,37 @@ from pathlib import Path
 import pytest
 import torch
 
+from gemma4_kv import integrity
 from gemma4_kv.keys import chunk_hashes, fingerprint
 from gemma4_kv.layout import AttentionKind, KVGroup, KVLayout
-from gemma4_kv.tiers.mp_server import MPServerTier, ServerUnavailable, server_argv
+from gemma4_kv.metrics import Gemma4KVStats
+from gemma4_kv.settings import ConnectorSettings, SettingsError, check_tiers_reachable
+from gemma4_kv.tiers.mp_server import (MPServerTier, UnsupportedServer, object_slots,
+                                       server_argv)
+from gemma4_kv.tiers.server_store import ServerStore
 from paged import bits, random_bits
 
-CHUNK = 256  # the server's default chunk size; our objects hold as many tokens
+CHUNK = 64  # our chunk: tokens per object (the server's own chunk is 8 "tokens": a hash)
 LAYOUT = KVLayout((
-    KVGroup(0, AttentionKind.SLIDING, 512, 16, 2, 16, 16, torch.bfloat16, ("a", "b")),
-    KVGroup(1, AttentionKind.SLIDING, 1024, 32, 1, 64, 64, torch.bfloat16, ("c",)),
+    KVGroup(0, AttentionKind.SLIDING, 128, 16, 2, 16, 16, torch.bfloat16, ("a", "b")),
+    KVGroup(1, AttentionKind.SLIDING, 256, 32, 1, 64, 64, torch.bfloat16, ("c",)),
     KVGroup(2, AttentionKind.FULL, None, 32, 1, 32, 32, torch.float16, ("d", "e", "f")),
 ))
 FP = fingerprint(LAYOUT, model="tiny", chunk_size=CHUNK)
 ENV = dict(os.environ, LMCACHE_DISABLE_BANNER="1", LMCACHE_TRACK_USAGE="false")
+NONE = {0: set(), 1: set(), 2: set()}
+# Stated bounds (seconds) for a server that is gone; healthy calls take milliseconds.
+TIMEOUT = 1.0  # lmcache_server_timeout_s in these tests
+DOWN_BOUND = 3.0  # every store call together, once the server is killed
+RECOVERY_BOUND = 30.0  # a restarted server is used again (heartbeat: 1 s while down)
 
 
-def _lmcache_bin() -> str | None:
+def lmcache_bin() -> str | None:
     here = Path(sys.executable).with_name("lmcache")
     return str(here) if here.exists() else shutil.which("lmcache")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -51,17 +61,23 @@ def _free_port() -> int:
 class Server:
     """One `lmcache server` process on free ports with its own L1 segment."""
 
-    def __init__(self, port: int | None = None, shm: str | None = None):
-        exe = _lmcache_bin()
-        if exe is None:
+    def __init__(self, l1_gb: float = 0.25, log_dir: str = "/tmp"):
+        self.exe = lmcache_bin()
+        if self.exe is None:
             pytest.skip("the lmcache CLI is not installed")
-        self.port, self.http = port or _free_port(), _free_port()
-        self.shm = shm or f"g4kvtest{uuid.uuid4().hex[:10]}"
-        self.url = f"tcp://localhost:{self.port}"
-        self.log = open(f"/tmp/{self.shm}-{self.port}.log", "w+")
-        argv = server_argv(exe, port=self.port, shm_name=self.shm, l1_gb=0.25,
-                           http_port=self.http)
-        self.proc = subprocess.Popen(argv, env=ENV, stdout=self.log, stderr=subprocess.STDOUT)
+        self.port = free_port()
+        self.shm = f"g4kvtest{uuid.uuid4().hex[:10]}"
+        self.url = f"tcp://127.0.0.1:{self.port}"
+        self.l1_gb, self.log_dir = l1_gb, log_dir
+        self._start()
+
+    def _start(self) -> None:
+        self.http = free_port()
+        self.log = open(Path(self.log_dir) / f"{self.shm}-{self.port}.log", "a+")
+        argv = server_argv(self.exe, port=self.port, shm_name=self.shm, l1_gb=self.l1_gb,
+                           http_port=self.http, host="127.0.0.1")
+        self.proc = subprocess.Popen(argv, env=ENV, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         deadline = time.monotonic() + 120
         while not self._up():
             if self.proc.poll() is not None:
@@ -74,7 +90,7 @@ class Server:
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError("lmcache server did not come up in 120 s")
-            time.sleep(0.5)
+            time.sleep(0.3)
 
     def _up(self) -> bool:
         try:
@@ -94,8 +110,14 @@ class Server:
         return l1["read_locked_count"], l1["write_locked_count"], s["active_sessions"]
 
     def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def restart(self) -> None:
+        """Another server process on the same port and segment name."""
+        self.stop()
+        self._start()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -127,84 +149,111 @@ def payload(key: tuple[int, int], like: torch.Tensor, seed: int) -> torch.Tensor
     return random_bits(like.shape, like.dtype, generator=gen)
 
 
-# -- client processes -------------------------------------------------------------------
-def _writer(url: str, seed: int, chunks: int, out) -> None:
-    tier = MPServerTier(url, LAYOUT, FP, CHUNK)
-    write = tier.reserve(chunk_hashes(tokens_of(seed, chunks), CHUNK))
-    for key, view in write.objects.items():
-        view.copy_(payload(key, view, seed))
-    out.put((sorted(write.objects), tier.commit(write)))
-    tier.close()
+def open_store(url: str, fp: str = FP, **kw) -> ServerStore:
+    return ServerStore(LAYOUT, fp, CHUNK, url=url, timeout_s=TIMEOUT, **kw)
 
 
-def _reader(url: str, seed: int, chunks: int, wanted, out) -> None:
-    tier = MPServerTier(url, LAYOUT, FP, CHUNK)
+def put(store: ServerStore, seed: int, chunks: int, groups=(0, 1, 2), seal: bool = True):
+    """Store chunks 0..chunks-1 of prompt `seed` as the Saver does; returns what was
+    reserved as sorted (chunk, group)."""
     hashes = chunk_hashes(tokens_of(seed, chunks), CHUNK)
-    present = tier.present(hashes)
-    pin = tier.lock(hashes, wanted)
-    views = tier.read(pin) if pin else None
-    exact = views is not None and all(
-        torch.equal(bits(v), bits(payload(key, v, seed))) for key, v in zip(wanted, views))
-    if pin:
-        tier.release(pin)
-    out.put(({g: sorted(c) for g, c in present.items()}, pin is not None, exact))
-    tier.close()
+    objects = store.reserve([(h, groups) for h in hashes], hashes)
+    index = {h: i for i, h in enumerate(hashes)}
+    for (h, g), (kv, trailer, key) in objects.items():
+        kv.copy_(payload((index[h], g), kv, seed))
+        if seal:
+            integrity.seal(kv, trailer, key)
+    for h in {h for h, _ in objects}:
+        store.commit(h)
+    return sorted((index[h], g) for h, g in objects)
 
 
-def run_client(target, *args):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    p = ctx.Process(target=target, args=(*args, out))
-    p.start()
-    try:
-        result = out.get(timeout=120)
-    finally:
-        p.join(timeout=60)
-    assert p.exitcode == 0
-    return result
+def lookup(store: ServerStore, hashes) -> dict[int, set[int]]:
+    """What the lookup service sees: a prefetch, polled until settled, then resident."""
+    p = store.start_prefetch(hashes, {})
+    deadline = time.monotonic() + 10
+    while not p.finished:
+        assert time.monotonic() < deadline
+        store.poll()
+        time.sleep(0.002)
+    return store.resident(hashes)
+
+
+def read_back(store: ServerStore, seed: int, chunks: int, wanted):
+    """(present per group, pinned?, bit-exact?) of a window-aware hit on prompt `seed`."""
+    hashes = chunk_hashes(tokens_of(seed, chunks), CHUNK)
+    present = lookup(store, hashes)
+    pinned = store.pin([(hashes[c], g) for c, g in wanted], hashes)
+    exact = pinned is not None and all(
+        torch.equal(bits(pinned.views[(hashes[c], g)]),
+                    bits(payload((c, g), pinned.views[(hashes[c], g)], seed)))
+        for c, g in wanted)
+    store.release(pinned)
+    return {g: sorted(c) for g, c in present.items()}, pinned is not None, exact
 
 
 # -- tests ------------------------------------------------------------------------------
-def test_one_process_stores_another_reads_bit_exact(server):
-    written, ok = run_client(_writer, server.url, 1, 3)
-    assert ok and written == [(c, g) for c in range(3) for g in range(3)]
+def test_objects_hold_the_kv_and_its_trailer():
+    g = LAYOUT.groups[0]  # 2 x 2 layers x 32 B rows: one more token slot holds 32 bytes
+    assert object_slots(g, CHUNK) == CHUNK + 1
+    big = KVGroup(0, AttentionKind.FULL, None, 16, 1, 1, 1, torch.bfloat16, ("a",))
+    assert object_slots(big, CHUNK) == CHUNK + 8  # 4-byte rows: 8 slots for the trailer
+
+
+def test_one_client_stores_another_reads_bit_exact(server):
+    """Two registrations (engines); engines in other processes: tests/test_e2e_mp_server.py."""
+    writer = open_store(server.url)
+    assert put(writer, 1, 3) == [(c, g) for c in range(3) for g in range(3)]
+    writer.close()
     # A window-aware hit of 3 chunks: the sliding groups need only their last chunks.
     wanted = [(2, 0), (1, 1), (2, 1), (0, 2), (1, 2), (2, 2)]
-    present, pinned, exact = run_client(_reader, server.url, 1, 3, wanted)
+    store = open_store(server.url)
+    try:
+        present, pinned, exact = read_back(store, 1, 3, wanted)
+    finally:
+        store.close()
     assert present == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
     assert pinned and exact
     assert server.locks() == (0, 0, 0)  # every lock and session given back
 
 
-def test_pins_only_what_the_hit_needs(server):
-    run_client(_writer, server.url, 2, 4)
-    tier = MPServerTier(server.url, LAYOUT, FP, CHUNK)
+def test_a_hit_holds_only_what_it_loads(server):
+    store = open_store(server.url)
     try:
+        put(store, 2, 4)
         hashes = chunk_hashes(tokens_of(2, 4), CHUNK)
+        assert lookup(store, hashes) == {g: {0, 1, 2, 3} for g in range(3)}
+        assert server.locks()[0] == 12  # the settled lookup holds its locks for the pin
         wanted = [(3, 0), (2, 1), (3, 1)] + [(c, 2) for c in range(4)]
-        pin = tier.lock(hashes, wanted)
-        assert pin is not None
-        assert server.locks()[0] == len(wanted)  # the lookup locked 12, kept 7
-        assert tier.read(pin) is not None
-        tier.release(pin)
+        pinned = store.pin([(hashes[c], g) for c, g in wanted], hashes)
+        assert pinned is not None
+        assert server.locks()[0] == len(wanted)  # the other 5 were freed
+        store.release(pinned)
         assert server.locks() == (0, 0, 0)
-        assert tier.lock(hashes + chunk_hashes(tokens_of(9, 1), CHUNK), [(4, 2)]) is None
+        # Without a settled lookup a pin looks up itself; beyond what is stored: None.
+        longer = hashes + chunk_hashes(tokens_of(9, 1), CHUNK)
+        assert store.pin([(longer[4], 2)], longer) is None
+        pinned = store.pin([(hashes[0], 2)], hashes)
+        assert pinned is not None
+        store.release(pinned)
         assert server.locks() == (0, 0, 0)
     finally:
-        tier.close()
+        store.close()
 
 
 def test_two_pins_of_one_range_share_the_servers_read(server):
     """The server keys pending reads by (instance, key) without the request id; two pins
     of the same range must not lose each other's locks."""
-    run_client(_writer, server.url, 3, 2)
     tier = MPServerTier(server.url, LAYOUT, FP, CHUNK)
     try:
+        writer = open_store(server.url)
+        put(writer, 3, 2)
+        writer.close()
         hashes = chunk_hashes(tokens_of(3, 2), CHUNK)
         wanted = [(0, 2), (1, 2)]
         a, b = tier.lock(hashes, wanted), tier.lock(hashes, wanted)
         va, vb = tier.read(a), tier.read(b)
-        assert all(torch.equal(bits(x), bits(y)) for x, y in zip(va, vb))
+        assert all(torch.equal(bits(x[0]), bits(y[0])) for x, y in zip(va, vb))
         assert server.locks()[0] == 2  # objects read-locked (twice each)
         tier.release(a)
         assert server.locks()[0] == 2  # b still holds them
@@ -216,78 +265,134 @@ def test_two_pins_of_one_range_share_the_servers_read(server):
 
 def test_presence_is_a_prefix_on_lmcache_056(server):
     """0.5.6 counts leading chunks for every registration: chunks stored after a gap are
-    not reported (a window-aware hit past an evicted early chunk is impossible)."""
-    tier = MPServerTier(server.url, LAYOUT, FP, CHUNK)
+    not reported (a window-aware hit past an unstored early chunk is impossible, hence
+    dense sliding-window storage with lmcache_server)."""
+    store = open_store(server.url)
     try:
         hashes = chunk_hashes(tokens_of(4, 3), CHUNK)
-        write = tier.reserve(hashes, first=1)  # chunks 1 and 2 only
-        assert sorted(write.objects) == [(c, g) for c in (1, 2) for g in range(3)]
-        for key, view in write.objects.items():
-            view.copy_(payload(key, view, 4))
-        assert tier.commit(write)
-        assert tier.present(hashes) == {0: set(), 1: set(), 2: set()}
-        assert tier.lock(hashes, [(2, 0)]) is None
+        objects = store.reserve([(h, (0, 1, 2)) for h in hashes[1:]], hashes)
+        assert sorted(objects) == sorted((h, g) for h in hashes[1:] for g in range(3))
+        for (h, g), (kv, trailer, key) in objects.items():
+            integrity.seal(kv, trailer, key)
+        for h in hashes[1:]:
+            store.commit(h)
+        assert lookup(store, hashes) == NONE
+        assert store.pin([(hashes[2], 0)], hashes) is None
+        store.poll()
         assert server.locks() == (0, 0, 0)
     finally:
-        tier.close()
+        store.close()
 
 
 def test_other_fingerprint_never_hits(server):
-    run_client(_writer, server.url, 5, 1)
-    other = MPServerTier(server.url, LAYOUT, fingerprint(LAYOUT, model="other",
-                                                         chunk_size=CHUNK), CHUNK)
+    writer = open_store(server.url)
+    put(writer, 5, 1)
+    writer.close()
+    other = open_store(server.url, fingerprint(LAYOUT, model="other", chunk_size=CHUNK))
     try:
-        assert other.present(chunk_hashes(tokens_of(5, 1), CHUNK)) == {0: set(), 1: set(),
-                                                                        2: set()}
+        assert lookup(other, chunk_hashes(tokens_of(5, 1), CHUNK)) == NONE
     finally:
         other.close()
 
 
-def test_killed_server_fails_fast_and_a_restarted_one_is_used_again():
-    s = Server()
-    tier = None
+def test_unfinished_writes_made_visible_are_never_offered(server):
+    """0.5.6 commits a client's open reservations when its registration goes (reaped
+    after a crash, or unregistered): their bytes are whatever was there. The store
+    verifies every object it reads and never offers a bad one."""
+    crashed = open_store(server.url)
+    hashes = chunk_hashes(tokens_of(6, 2), CHUNK)
+    objects = crashed.reserve([(h, (0, 1, 2)) for h in hashes], hashes)
+    for (h, g), (kv, trailer, key) in objects.items():
+        kv.copy_(payload((hashes.index(h), g), kv, 6))  # filled, never sealed or committed
+        if h == hashes[0]:
+            integrity.seal(kv, trailer, key)
+    space = crashed.tier._space
+    for iid in space.ids.values():  # what the reaper does to a dead client
+        crashed.tier._client.unregister_kv_cache_engine_driven_context(iid).result(5)
+    reader = open_store(server.url, stats=Gemma4KVStats())
     try:
-        tier = MPServerTier(s.url, LAYOUT, FP, CHUNK, timeout_s=1.0, ping_interval_s=0.5)
-        hashes = chunk_hashes(tokens_of(7, 2), CHUNK)
-        s.kill()
-        t0 = time.monotonic()
-        with pytest.raises(ServerUnavailable):
-            tier.present(hashes)
-        with pytest.raises(ServerUnavailable):
-            tier.reserve(hashes)
-        assert time.monotonic() - t0 < 10  # bounded: one timeout, then refused at once
-        assert not tier.healthy
-        s.stop()
-        s = Server(port=s.port, shm=s.shm)  # new process, new L1 segment, no registrations
-        deadline = time.monotonic() + 30
-        while not tier.healthy and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert tier.healthy
-        write = tier.reserve(hashes)
-        for key, view in write.objects.items():
-            view.copy_(payload(key, view, 7))
-        assert tier.commit(write)
-        written, _, exact = run_client(_reader, s.url, 7, 2, [(1, 0), (1, 1), (0, 2), (1, 2)])
-        assert written == {0: [0, 1], 1: [0, 1], 2: [0, 1]} and exact
+        assert lookup(reader, hashes) == {g: {0, 1} for g in range(3)}  # the server says so
+        assert reader.pin([(hashes[1], 2)], hashes) is None
+        assert reader.stats.take().data["rejected_objects"] == 1
+        # Known bad from now on: the group's run ends before it.
+        assert lookup(reader, hashes) == {g: {0, 1} for g in (0, 1)} | {2: {0}}
+        good = reader.pin([(hashes[0], g) for g in range(3)], hashes)  # sealed: offered
+        assert good is not None
+        reader.release(good)
+        reader.poll()
     finally:
-        if tier is not None:
-            tier.close()
-        s.stop()
+        reader.close()
+        crashed.tier._stop.set()
+        crashed.tier._client.close()
+
+
+def test_reset_makes_this_engines_objects_unreachable_to_it_only(server):
+    a, b = open_store(server.url), open_store(server.url)
+    try:
+        put(a, 7, 2)
+        hashes = chunk_hashes(tokens_of(7, 2), CHUNK)
+        assert a.reset()
+        assert lookup(a, hashes) == NONE
+        assert lookup(b, hashes) == {g: {0, 1} for g in range(3)}
+        assert put(a, 7, 2) == [(c, g) for c in range(2) for g in range(3)]  # stored anew
+        assert lookup(a, hashes) == {g: {0, 1} for g in range(3)}
+        pinned = a.pin([(hashes[1], g) for g in range(3)], hashes)
+        assert pinned is not None
+        a.release(pinned)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_zz_unfilled_reservations_are_never_committed_by_close(server):
     """0.5.6 commits an instance's open reservations when it is unregistered; `close`
     must not unregister while one is open. (Runs last: the reservation stays write-locked
     on the module's server until its TTL.)"""
-    tier = MPServerTier(server.url, LAYOUT, FP, CHUNK)
-    hashes = chunk_hashes(tokens_of(6, 1), CHUNK)
-    assert tier.reserve(hashes).objects
-    tier.close()
-    probe = MPServerTier(server.url, LAYOUT, FP, CHUNK)
+    store = open_store(server.url)
+    hashes = chunk_hashes(tokens_of(10, 1), CHUNK)
+    assert store.reserve([(hashes[0], (0, 1, 2))], hashes)
+    store.close()
+    probe = open_store(server.url)
     try:
-        assert probe.present(hashes) == {0: set(), 1: set(), 2: set()}
+        assert lookup(probe, hashes) == NONE
     finally:
         probe.close()
+
+
+def test_zzz_killed_server_fails_fast_and_a_restarted_one_is_used_again(server):
+    """(Runs last: it kills the module's server and starts another in its place.)"""
+    s, store = server, None
+    try:
+        store = open_store(s.url, ping_interval_s=0.5)
+        put(store, 8, 2)
+        hashes = chunk_hashes(tokens_of(8, 2), CHUNK)
+        s.kill()
+        t0 = time.monotonic()
+        p = store.start_prefetch(hashes, {})
+        while not p.finished:
+            store.poll()
+            time.sleep(0.01)
+        assert store.resident(hashes) == NONE
+        assert store.pin([(hashes[0], 2)], hashes) is None
+        assert store.reserve([(h, (0, 1, 2)) for h in hashes], hashes) == {}
+        assert not store.has_l2  # lookups are answered from nothing, without asking
+        assert time.monotonic() - t0 < DOWN_BOUND
+        s.restart()  # a new process: new L1 segment, no registrations
+        deadline = time.monotonic() + RECOVERY_BOUND
+        while not store.has_l2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert store.has_l2
+        assert lookup(store, hashes) == NONE  # the old server's objects went with it
+        assert put(store, 8, 2) == [(c, g) for c in range(2) for g in range(3)]
+        reader = open_store(s.url)
+        try:
+            present, pinned, exact = read_back(reader, 8, 2, [(1, 0), (1, 1), (0, 2), (1, 2)])
+        finally:
+            reader.close()
+        assert present == {0: [0, 1], 1: [0, 1], 2: [0, 1]} and pinned and exact
+    finally:
+        if store is not None:
+            store.close()
 
 
 @pytest.mark.skipif(not os.environ.get("G4KV_LMCACHE_OTHER"),
@@ -296,9 +401,7 @@ def test_zz_unfilled_reservations_are_never_committed_by_close(server):
 def test_a_server_of_another_wire_format_is_refused_at_connect():
     """0.5.7 renamed IPCCacheServerKey.token_ids to token_bytes: registration and pings
     still work, every keyed call goes unanswered. The client must say so at once."""
-    from gemma4_kv.tiers.mp_server import UnsupportedServer
-
-    port, http, shm = _free_port(), _free_port(), f"g4kvother{uuid.uuid4().hex[:8]}"
+    port, http, shm = free_port(), free_port(), f"g4kvother{uuid.uuid4().hex[:8]}"
     env = dict(ENV, PYTHONPATH=os.environ["G4KV_LMCACHE_OTHER"])
     argv = server_argv(sys.executable, port=port, shm_name=shm, l1_gb=0.25, http_port=http)
     argv[1:2] = ["-m", "lmcache.cli.main", "server"]
@@ -318,3 +421,36 @@ def test_a_server_of_another_wire_format_is_refused_at_connect():
         proc.terminate()
         proc.wait(timeout=30)
         Path(f"/dev/shm/lmcache_l1_pool_{shm}").unlink(missing_ok=True)
+
+
+# -- settings ---------------------------------------------------------------------------
+URL = "tcp://127.0.0.1:5555"
+
+
+def test_settings_make_sliding_chunks_dense_and_refuse_embedded_tiers():
+    s = ConnectorSettings.from_extra_config({"lmcache_server": URL})
+    assert s.retention_interval == 0 and not s.embedded_store
+    assert s.lmcache_server_timeout_s == 1.0
+    assert ConnectorSettings.from_extra_config(
+        {"lmcache_server": URL, "retention_interval": 0}).retention_interval == 0
+    for extra, match in [
+            ({"cpu_gb": 8}, r'\["cpu_gb"\] cannot be combined with lmcache_server'),
+            ({"disk_path": "/tmp"}, r'\["disk_path"\] cannot be combined'),
+            ({"l2_adapters": []}, r'\["l2_adapters"\] cannot be combined'),
+            ({"retention_interval": 512}, r"must be 0 with lmcache_server: LMCache 0.5.6 "
+                                          r"reports only the leading run"),
+            ({"verify_checksums": False}, r"cannot be false with lmcache_server"),
+            ({"lmcache_server_timeout_s": 3}, r"must be at most 1.5")]:
+        with pytest.raises(SettingsError, match=match):
+            ConnectorSettings.from_extra_config({"lmcache_server": URL, **extra})
+    for bad, match in [("127.0.0.1:5555", r'write "tcp://127.0.0.1:5555"'),
+                       ("http://x:1", "must be tcp://HOST:PORT"), (5555, "URL string"),
+                       ("tcp://h:0", "must be tcp://HOST:PORT")]:
+        with pytest.raises(SettingsError, match=match):
+            ConnectorSettings.from_extra_config({"lmcache_server": bad})
+
+
+def test_an_unreachable_server_stops_start_up_naming_the_key():
+    s = ConnectorSettings.from_extra_config({"lmcache_server": f"tcp://127.0.0.1:{free_port()}"})
+    with pytest.raises(SettingsError, match=r'\["lmcache_server"\] cannot be reached'):
+        check_tiers_reachable(s)
