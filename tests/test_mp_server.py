@@ -1,17 +1,14 @@
 """The store on a running `lmcache server` (engine-driven, SHM L1) against real server
 processes: `ServerStore` (what the connector uses) and its wire client `MPServerTier`.
 
-Clients run in separate OS processes where it matters; the server's own status page is
-the oracle for locks and sessions left behind.
+Each store is one registration, as an engine's rank is (engines in other processes:
+tests/test_e2e_mp_server.py); the server's own status page is the oracle for locks and
+sessions left behind.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +27,7 @@ from gemma4_kv.settings import ConnectorSettings, SettingsError, check_tiers_rea
 from gemma4_kv.tiers.mp_server import (MPServerTier, UnsupportedServer, object_slots,
                                        server_argv)
 from gemma4_kv.tiers.server_store import ServerStore
+from lmcache_servers import ENV, Server, free_port
 from paged import bits, random_bits
 
 CHUNK = 64  # our chunk: tokens per object (the server's own chunk is 8 "tokens": a hash)
@@ -39,95 +37,11 @@ LAYOUT = KVLayout((
     KVGroup(2, AttentionKind.FULL, None, 32, 1, 32, 32, torch.float16, ("d", "e", "f")),
 ))
 FP = fingerprint(LAYOUT, model="tiny", chunk_size=CHUNK)
-ENV = dict(os.environ, LMCACHE_DISABLE_BANNER="1", LMCACHE_TRACK_USAGE="false")
 NONE = {0: set(), 1: set(), 2: set()}
 # Stated bounds (seconds) for a server that is gone; healthy calls take milliseconds.
 TIMEOUT = 1.0  # lmcache_server_timeout_s in these tests
 DOWN_BOUND = 3.0  # every store call together, once the server is killed
 RECOVERY_BOUND = 30.0  # a restarted server is used again (heartbeat: 1 s while down)
-
-
-def lmcache_bin() -> str | None:
-    here = Path(sys.executable).with_name("lmcache")
-    return str(here) if here.exists() else shutil.which("lmcache")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One `lmcache server` process on free ports with its own L1 segment."""
-
-    def __init__(self, l1_gb: float = 0.25, log_dir: str = "/tmp"):
-        self.exe = lmcache_bin()
-        if self.exe is None:
-            pytest.skip("the lmcache CLI is not installed")
-        self.port = free_port()
-        self.shm = f"g4kvtest{uuid.uuid4().hex[:10]}"
-        self.url = f"tcp://127.0.0.1:{self.port}"
-        self.l1_gb, self.log_dir = l1_gb, log_dir
-        self._start()
-
-    def _start(self) -> None:
-        self.http = free_port()
-        self.log = open(Path(self.log_dir) / f"{self.shm}-{self.port}.log", "a+")
-        argv = server_argv(self.exe, port=self.port, shm_name=self.shm, l1_gb=self.l1_gb,
-                           http_port=self.http, host="127.0.0.1")
-        self.proc = subprocess.Popen(argv, env=ENV, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 120
-        while not self._up():
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                text = self.log.read()
-                if "requires the full lmcache installation" in text:
-                    pytest.skip("`lmcache server` lacks its server dependencies (httpx, "
-                                "uvicorn, blake3) in this environment")
-                raise RuntimeError(f"lmcache server exited:\n{text[-3000:]}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("lmcache server did not come up in 120 s")
-            time.sleep(0.3)
-
-    def _up(self) -> bool:
-        try:
-            self.status()
-            return True
-        except OSError:
-            return False
-
-    def status(self) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/status", timeout=5) as r:
-            return json.load(r)
-
-    def locks(self) -> tuple[int, int, int]:
-        """(read-locked objects, write-locked objects, open sessions) on the server."""
-        s = self.status()
-        l1 = s["storage_manager"]["l1_manager"]
-        return l1["read_locked_count"], l1["write_locked_count"], s["active_sessions"]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def restart(self) -> None:
-        """Another server process on the same port and segment name."""
-        self.stop()
-        self._start()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        Path(f"/dev/shm/lmcache_l1_pool_{self.shm}").unlink(missing_ok=True)
-        self.log.close()
 
 
 @pytest.fixture(scope="module")

@@ -117,6 +117,8 @@ class Lookup:
     found: dict[int, int] = field(default_factory=dict)
     """Group id -> leading chunks held (and read-locked), once answered."""
     started: float = field(default_factory=time.monotonic)
+    asked: float = field(default_factory=time.monotonic)
+    """When the calls now unanswered were sent."""
 
     @property
     def done(self) -> bool:
@@ -375,7 +377,11 @@ class MPServerTier:
         return Lookup(space, tokens, len(hashes), rids, acks)
 
     def poll_lookup(self, lk: Lookup) -> bool:
-        """Whether every group has answered (`lk.found`); never waits."""
+        """Whether every group has answered (`lk.found`); never waits. A call unanswered
+        for `timeout_s` marks the server down (ServerUnavailable); a server still reading
+        its L2 answers "not yet" in time and is left to finish."""
+        self._check()
+        sent = False
         for g, rid in lk.rids.items():
             if g in lk.found:
                 continue
@@ -388,12 +394,26 @@ class MPServerTier:
             poll = lk.polls.get(g)
             if poll is None:
                 lk.polls[g] = self._client.query_prefetch_status(rid)
+                sent = True
             elif poll.query():
                 r = poll.result(0)
                 del lk.polls[g]
                 if r is not None:
                     lk.found[g] = int(r)
-        return lk.done
+        if lk.done:
+            return True
+        now = time.monotonic()
+        if sent:
+            lk.asked = now
+        elif now - lk.asked > self.timeout_s and not any(
+                f.query() for f in (*lk.acks.values(), *lk.polls.values())):
+            if self._healthy:
+                logger.warning("gemma4-kv: %s gave no answer to a lookup within %g s",
+                               self.url, self.timeout_s)
+            self._healthy = False
+            raise ServerUnavailable(f"{self.url}: no answer to a lookup within "
+                                    f"{self.timeout_s} s")
+        return False
 
     def wait_lookup(self, lk: Lookup) -> None:
         """Wait for `lk` up to the timeout (ServerUnavailable after it)."""
