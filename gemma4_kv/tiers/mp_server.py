@@ -83,6 +83,16 @@ def object_slots(group: KVGroup, chunk_size: int) -> int:
     return chunk_size + -(-SEAL_BYTES // row)
 
 
+def cuda_host_register(pool: torch.Tensor, what: str = "the server's L1") -> None:
+    """Page-lock a mapping of the server's L1 and make it known to CUDA: our Triton
+    loads and direct saves read and write host memory through UVA (pinned memory), and
+    torch then sees its views as pinned."""
+    rc = torch.cuda.cudart().cudaHostRegister(pool.data_ptr(), pool.numel(), 0)
+    if int(rc) != 0:
+        raise UnsupportedServer(f"cudaHostRegister of {what} ({pool.numel()} bytes) failed "
+                                f"({rc}): raise the locked-memory limit (ulimit -l)")
+
+
 def _runs(indices: Iterable[int]) -> list[tuple[int, int]]:
     """Sorted indices as half-open runs [a, b)."""
     out: list[list[int]] = []
@@ -291,12 +301,7 @@ class MPServerTier:
             os.close(fd)
         pool = torch.frombuffer(mm, dtype=torch.uint8)
         if self._cuda_register:
-            # NOT RUN ON A GPU YET. Our Triton loads and direct saves read/write host
-            # memory through UVA: the mapping must be page-locked and known to CUDA.
-            rc = torch.cuda.cudart().cudaHostRegister(pool.data_ptr(), size, 0)
-            if int(rc) != 0:
-                raise UnsupportedServer(f"cudaHostRegister of {path} ({size} bytes) failed "
-                                        f"({rc}): raise the locked-memory limit (ulimit -l)")
+            cuda_host_register(pool, path)
         with self._state:
             self._maps.append((mm, pool))
             self._pool, self._pool_ino, self.pool_size = pool, ino, size
