@@ -155,6 +155,28 @@ def test_a_hit_holds_only_what_it_loads(server):
         store.close()
 
 
+def test_requests_with_one_prefix_each_get_their_own_lookup(server):
+    """Two requests of one prompt looked up together: each pin takes the locks of one
+    settled lookup (none asks the server again, none is left without a hit)."""
+    store = open_store(server.url)
+    try:
+        put(store, 11, 2)
+        hashes = chunk_hashes(tokens_of(11, 2), CHUNK)
+        a, b = store.start_prefetch(hashes, {}), store.start_prefetch(hashes, {})
+        while not (a.finished and b.finished):
+            store.poll()
+            time.sleep(0.002)
+        assert server.locks()[0] == 6  # 2 chunks x 3 groups, each locked twice
+        cells = [(hashes[1], g) for g in range(3)] + [(hashes[0], 2)]
+        pins = [store.pin(cells, hashes) for _ in range(2)]
+        assert all(pins) and not store._ready
+        for pin in pins:
+            store.release(pin)
+        assert server.locks() == (0, 0, 0)
+    finally:
+        store.close()
+
+
 def test_two_pins_of_one_range_share_the_servers_read(server):
     """The server keys pending reads by (instance, key) without the request id; two pins
     of the same range must not lose each other's locks."""

@@ -62,7 +62,9 @@ class ServerStore:
         self.tier = MPServerTier(url, layout, fingerprint, chunk_size, timeout_s=timeout_s,
                                  ping_interval_s=ping_interval_s, cuda_register=cuda)
         self._inflight: list[_Prefetch] = []  # lookup thread
-        self._ready: dict[tuple[bytes, ...], tuple[float, Lookup]] = {}  # lookup thread
+        # Settled lookups per prefix, newest last (requests with one prefix each get
+        # their own): lookup thread only.
+        self._ready: dict[tuple[bytes, ...], list[tuple[float, Lookup]]] = {}
         self._open: dict[bytes, Write] = {}  # model thread
         self._left: dict[int, set[bytes]] = {}
         self._bad: set[tuple[str, bytes, int]] = set()
@@ -103,13 +105,18 @@ class ServerStore:
                 continue
             p.finished = True
             if done:
-                self._drop(self._ready.pop(p.hashes, (0, None))[1])
-                self._ready[p.hashes] = (now, p.lookup)
+                self._ready.setdefault(p.hashes, []).append((now, p.lookup))
         self._inflight = still
-        for hashes, (t, lk) in list(self._ready.items()):
-            if now - t > READY_TTL_S or lk.space is not self.tier._space:
+        for hashes, entries in list(self._ready.items()):
+            fresh = [(t, lk) for t, lk in entries
+                     if now - t <= READY_TTL_S and lk.space is self.tier._space]
+            for t, lk in entries:
+                if not any(lk is k for _, k in fresh):
+                    self._drop(lk)
+            if fresh:
+                self._ready[hashes] = fresh
+            else:
                 del self._ready[hashes]
-                self._drop(lk)
 
     def _drop(self, lk: Lookup | None) -> None:
         if lk is not None and self.tier.healthy:
@@ -121,11 +128,11 @@ class ServerStore:
     def resident(self, hashes: Sequence[bytes]) -> dict[int, set[int]]:
         """Per group id, the chunk indices the last settled lookup of exactly `hashes`
         found (a leading run, cut at the first object known bad); nothing otherwise."""
-        entry = self._ready.get(tuple(hashes))
+        entries = self._ready.get(tuple(hashes))
         out = {g.group_id: set() for g in self.layout.groups}
-        if entry is None:
+        if not entries:
             return out
-        lk = entry[1]
+        lk = entries[-1][1]
         for g, n in lk.found.items():
             for c in range(n):
                 if (lk.space.namespace, hashes[c], g) in self._bad:
@@ -142,10 +149,13 @@ class ServerStore:
         if not chunk_keys or any(h not in index for h, _ in chunk_keys):
             return None
         cells = [(index[h], g) for h, g in chunk_keys]
-        entry = self._ready.pop(tuple(prefix), None)
+        entries = self._ready.get(tuple(prefix))
+        lk = entries.pop()[1] if entries else None
+        if entries is not None and not entries:
+            del self._ready[tuple(prefix)]
         pin = None
         try:
-            pin = self.tier.keep(entry[1], cells) if entry else self.tier.lock(prefix, cells)
+            pin = self.tier.keep(lk, cells) if lk else self.tier.lock(prefix, cells)
             objects = self.tier.read(pin) if pin is not None else None
         except ServerUnavailable:
             objects = None
@@ -242,9 +252,7 @@ class ServerStore:
         """A new namespace (new registrations): nothing stored before is reachable by this
         engine. The server's L1 is shared and stays; other engines keep their names."""
         self.namespace = f"{self.fingerprint}-g{uuid.uuid4().hex[:12]}"
-        for _, lk in self._ready.values():
-            self._drop(lk)
-        self._ready.clear()
+        self._drop_ready()
         try:
             self.tier.rename(self.namespace)
         except ServerUnavailable:
@@ -258,7 +266,11 @@ class ServerStore:
     def close(self) -> None:
         for h in list(self._open):
             self.abort(h)
-        for _, lk in self._ready.values():
-            self._drop(lk)
-        self._ready.clear()
+        self._drop_ready()
         self.tier.close()
+
+    def _drop_ready(self) -> None:
+        for entries in self._ready.values():
+            for _, lk in entries:
+                self._drop(lk)
+        self._ready.clear()
