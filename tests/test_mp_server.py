@@ -390,3 +390,19 @@ def test_an_unreachable_server_stops_start_up_naming_the_key():
     s = ConnectorSettings.from_extra_config({"lmcache_server": f"tcp://127.0.0.1:{free_port()}"})
     with pytest.raises(SettingsError, match=r'\["lmcache_server"\] cannot be reached'):
         check_tiers_reachable(s)
+
+
+def test_something_else_on_the_port_is_not_taken_for_a_server():
+    """Reachable, but no lmcache server answers there: the store does not open (the
+    worker turns this into a SettingsError naming lmcache_server, `worker.open_store`)."""
+    import socket
+
+    from gemma4_kv.tiers.mp_server import ServerUnavailable
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        url = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        check_tiers_reachable(ConnectorSettings.from_extra_config({"lmcache_server": url}))
+        with pytest.raises(ServerUnavailable, match="no answer to ping"):
+            ServerStore(LAYOUT, FP, CHUNK, url=url, timeout_s=0.5)
