@@ -196,13 +196,14 @@ class MPServerTier:
         self._pool_ino: int | None = None
         self.pool_size = 0
         self._space = self._new_space(namespace)
-        if not self._call(self._client.ping(None), "ping"):
-            raise ServerUnavailable(f"{url}: ping refused")
-        self.server_chunk = int(self._call(self._client.get_chunk_size(), "get_chunk_size"))
-        if self.server_chunk * 4 < HASH_BYTES:
-            raise UnsupportedServer(f"server chunk size {self.server_chunk} holds no "
-                                    f"{HASH_BYTES}-byte hash: start it with --chunk-size 8")
         try:
+            if not self._call(self._client.ping(None), "ping"):
+                raise ServerUnavailable(f"{url}: ping refused")
+            self.server_chunk = int(self._call(self._client.get_chunk_size(),
+                                               "get_chunk_size"))
+            if self.server_chunk * 4 < HASH_BYTES:
+                raise UnsupportedServer(f"server chunk size {self.server_chunk} holds no "
+                                        f"{HASH_BYTES}-byte hash: start it with --chunk-size 8")
             self._register(self._space)
             self._probe_wire()
         except Exception:
