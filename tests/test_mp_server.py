@@ -302,6 +302,8 @@ def test_zzz_killed_server_fails_fast_and_a_restarted_one_is_used_again(server):
         store = open_store(s.url, ping_interval_s=0.5)
         put(store, 8, 2)
         hashes = chunk_hashes(tokens_of(8, 2), CHUNK)
+        held = store.pin([(hashes[1], g) for g in range(3)], hashes)  # a load in flight
+        assert held is not None
         s.kill()
         t0 = time.monotonic()
         p = store.start_prefetch(hashes, {})
@@ -317,6 +319,12 @@ def test_zzz_killed_server_fails_fast_and_a_restarted_one_is_used_again(server):
         deadline = time.monotonic() + RECOVERY_BOUND
         while not store.has_l2 and time.monotonic() < deadline:
             time.sleep(0.2)
+        assert store.has_l2
+        # The load in flight read our mapping of the dead server's segment; giving it
+        # back asks nothing of the new server (it knows none of it).
+        assert torch.equal(bits(held.views[(hashes[1], 2)]),
+                           bits(payload((1, 2), held.views[(hashes[1], 2)], 8)))
+        store.release(held)
         assert store.has_l2
         assert lookup(store, hashes) == NONE  # the old server's objects went with it
         assert put(store, 8, 2) == [(c, g) for c in range(2) for g in range(3)]

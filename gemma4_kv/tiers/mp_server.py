@@ -123,6 +123,7 @@ class Lookup:
     n: int
     rids: dict[int, str]
     acks: dict[int, object]
+    epoch: int
     polls: dict[int, object] = field(default_factory=dict)
     found: dict[int, int] = field(default_factory=dict)
     """Group id -> leading chunks held (and read-locked), once answered."""
@@ -154,6 +155,7 @@ class Pin:
     """(chunk index, group id) in the caller's order."""
     sessions: dict[int, str]
     runs: dict[int, list[tuple[int, int]]]
+    epoch: int
     read_runs: set[tuple[int, int, int]] = field(default_factory=set)
     spent: set[tuple[int, int, int]] = field(default_factory=set)
     """Runs whose locks the server already gave up (a failed retrieve)."""
@@ -170,6 +172,7 @@ class Write:
     """(group, a, b) ranges with reserved slots (those to commit)."""
     objects: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
     """(chunk index, group id) -> (KV view, trailer view) of its slot in the server's L1."""
+    epoch: int
 
 
 class MPServerTier:
@@ -195,6 +198,10 @@ class MPServerTier:
         self._pool: torch.Tensor | None = None
         self._pool_ino: int | None = None
         self.pool_size = 0
+        self.epoch = 0
+        """Server processes seen (a new L1 segment): a lock, read or reservation of an
+        earlier one is gone with it, and is never handed back to its successor (which
+        would not answer calls naming instances it does not know)."""
         self._space = self._new_space(namespace)
         try:
             if not self._call(self._client.ping(None), "ping"):
@@ -305,6 +312,9 @@ class MPServerTier:
             cuda_host_register(pool, path)
         with self._state:
             self._maps.append((mm, pool))
+            if self._pool_ino is not None:  # another server process: its reads went too
+                self.epoch += 1
+                self._prepared.clear()
             self._pool, self._pool_ino, self.pool_size = pool, ino, size
 
     def _beat(self, interval: float) -> None:
@@ -383,7 +393,7 @@ class MPServerTier:
         rids = {g: self._rid() for g in space.names}
         acks = {g: self._client.lookup(self._key(space, g, tokens, 0, len(hashes), rids[g],
                                                  None), 1) for g in rids}
-        return Lookup(space, tokens, len(hashes), rids, acks)
+        return Lookup(space, tokens, len(hashes), rids, acks, self.epoch)
 
     def poll_lookup(self, lk: Lookup) -> bool:
         """Whether every group has answered (`lk.found`); never waits. A call unanswered
@@ -453,6 +463,8 @@ class MPServerTier:
         want: dict[int, set[int]] = defaultdict(set)
         for c, g in chunks or ():
             want[g].add(c)
+        if lk.epoch != self.epoch:
+            return None
         ok = bool(chunks) and all(max(cs) < lk.found.get(g, 0) for g, cs in want.items())
         if not ok:
             want.clear()
@@ -463,7 +475,7 @@ class MPServerTier:
         if not ok:
             return None
         return Pin(lk.space, lk.tokens, tuple(chunks), {g: lk.rids[g] for g in want},
-                   {g: _runs(cs) for g, cs in want.items()})
+                   {g: _runs(cs) for g, cs in want.items()}, lk.epoch)
 
     def present(self, hashes: Sequence[bytes]) -> dict[int, set[int]]:
         """Per group id, the chunk indices the server holds (its leading run in 0.5.6)."""
@@ -507,7 +519,7 @@ class MPServerTier:
         order (valid until `release`), or None if the server no longer has them all."""
         self._check()
         runs = [(g, a, b) for g, rs in pin.runs.items() for a, b in rs]
-        if any(r in pin.spent for r in runs):
+        if pin.epoch != self.epoch or any(r in pin.spent for r in runs):
             return None
         space = pin.space
         with self._state:  # one reader at a time: pending reads are shared (`_Prepared`)
@@ -554,6 +566,9 @@ class MPServerTier:
         server when its last user lets go)."""
         futures, space = [], pin.space
         with self._state:
+            if self._stale(pin):
+                pin.read_runs.clear()
+                return
             for g, runs in pin.runs.items():
                 rid = pin.sessions[g]
                 for a, b in runs:
@@ -561,7 +576,7 @@ class MPServerTier:
                         continue
                     if (g, a, b) in pin.read_runs:
                         ident = (space.ids[g], pin.tokens, a, b)
-                        shared = self._prepared[ident]
+                        shared = self._prepared[ident]  # same epoch: still there
                         shared.users -= 1
                         if not shared.users:  # the server's pending read frees one lock set
                             del self._prepared[ident]
@@ -575,6 +590,10 @@ class MPServerTier:
             pin.spent.update((g, a, b) for g, rs in pin.runs.items() for a, b in rs)
         if self._healthy:
             self._finish(futures, pin.sessions.values())
+
+    def _stale(self, thing) -> bool:
+        """Made on a server process that is gone (its state went with it)."""
+        return thing.epoch != self.epoch
 
     # -- write ------------------------------------------------------------------------
     def reserve(self, hashes: Sequence[bytes], runs: dict[int, list[tuple[int, int]]]
@@ -613,12 +632,15 @@ class MPServerTier:
             with self._state:
                 space.open_writes -= 1
             self._call(self._client.end_session(rid), "end_session")
-        return Write(space, tokens, rid, reserved, objects)
+        return Write(space, tokens, rid, reserved, objects, self.epoch)
 
     def commit(self, write: Write) -> bool:
         """Make the filled objects visible to every client of the server."""
         if not write.runs:
             return True
+        if self._stale(write):
+            write.runs = []
+            return False
         space = write.space
         try:
             futures = [self._client.commit_store(self._key(space, g, write.tokens, a, b,
