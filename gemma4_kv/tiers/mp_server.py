@@ -86,7 +86,10 @@ def object_slots(group: KVGroup, chunk_size: int) -> int:
 def cuda_host_register(pool: torch.Tensor, what: str = "the server's L1") -> None:
     """Page-lock a mapping of the server's L1 and make it known to CUDA: our Triton
     loads and direct saves read and write host memory through UVA (pinned memory), and
-    torch then sees its views as pinned."""
+    torch then sees its views as pinned. Seen on an H200 (torch 2.11, 2026-12-01): a
+    registered /dev/shm mapping reported pinned, written by the gather kernel and read
+    by the layer-wise loads bit for bit (tests/test_mp_server_cuda.py). The connector
+    on a GPU with a server has NOT run yet."""
     rc = torch.cuda.cudart().cudaHostRegister(pool.data_ptr(), pool.numel(), 0)
     if int(rc) != 0:
         raise UnsupportedServer(f"cudaHostRegister of {what} ({pool.numel()} bytes) failed "
