@@ -297,6 +297,39 @@ def test_an_object_damaged_in_the_server_is_a_miss_never_offered(tier_server, da
         store.close()
 
 
+def test_objects_a_lookup_brought_up_beyond_its_hit_are_verified_too(tier_server):
+    """A value that fails to load (cut short) ends the prefix LMCache reports as the hit;
+    objects that the same prefetch loaded past that point stay in the CPU tier. They
+    must be verified like the hit: once the engine recomputes and stores the missing
+    chunk, the whole prompt is in the CPU tier and a damaged object there would be read."""
+    store = open_store(spec_for(tier_server))
+    try:
+        gen = torch.Generator().manual_seed(6)
+        hashes = chunk_hashes(list(range(4 * CHUNK)), CHUNK)
+        written, _ = put(store, hashes, gen)
+        wait_for_keys(tier_server, 8)
+        tier_server.cli("SET", wire_key(store, hashes[2], 1), "short")
+        damaged = wire_key(store, hashes[3], 1)
+        tier_server.cli("SETRANGE", damaged, "100", "gemma4-kv")
+        drop_cpu_tier(store, hashes)
+        p, _ = lookup(store, hashes)
+        assert p.finished and (hashes[3], 1) not in p.loaded
+        assert 3 not in store.resident(hashes)[1]  # never offered
+        assert p.rejected == 1 and damaged not in tier_server.keys()  # and dropped
+        again, _ = put(store, [hashes[2]], gen)  # the engine recomputed chunk 2
+        assert (hashes[2], 1) in again
+        written.update(again)
+        pinned = store.pin(needed(hashes))
+        if pinned is not None:  # only what verification let through, bit-exact
+            try:
+                assert all(torch.equal(bits(v), bits(written[k]))
+                           for k, v in pinned.views.items())
+            finally:
+                store.release(pinned)
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("policy", ["allkeys-lru", "noeviction"])
 def test_a_full_server_evicts_or_refuses_writes_never_stalls(tmp_path, policy):
     """The server's maxmemory, not the connector, bounds the shared tier. allkeys-lru:
