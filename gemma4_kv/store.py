@@ -109,6 +109,8 @@ class Prefetch:
     finished: bool = False
     loaded: set[ChunkKey] = field(default_factory=set)
     rejected: int = 0
+    before: set = field(default_factory=set)
+    """Its keys that were in L1 when it started (verified already, or written here)."""
 
 
 @dataclass
@@ -248,20 +250,21 @@ class ChunkStore:
 
     def _submit(self, tasks) -> Prefetch:
         api = self._api
-        submitted, keys = [], []
-        for rows, policy, windows in tasks:
-            groups, keyed = [], []
-            for gid, hs in rows:
-                ks = [self.key(h, gid) for h in hs]
-                keys += ks
-                keyed.append((gid, hs, ks))
-                groups.append(api.GroupedObjectKeys(
-                    keys=ks, object_group_id=gid, layout_desc=self._layouts[gid],
-                    sliding_window_size=windows[gid] if policy == "prefix" else -1))
+        planned = [(policy, windows, [(gid, hs, [self.key(h, gid) for h in hs])
+                                      for gid, hs in rows]) for rows, policy, windows in tasks]
+        keys = [k for _, _, keyed in planned for _, _, ks in keyed for k in ks]
+        before = {ks[i] for _, _, keyed in planned for gid, _, ks in keyed
+                  for i in self._l1_prefetch(gid, ks, lock=False)}
+        submitted = []
+        for policy, windows, keyed in planned:
+            groups = [api.GroupedObjectKeys(
+                keys=ks, object_group_id=gid, layout_desc=self._layouts[gid],
+                sliding_window_size=windows[gid] if policy == "prefix" else -1)
+                for gid, _, ks in keyed]
             spec = api.PrefetchTaskSpec(key_groups=groups, fetching_policy=policy,
                                         lock_mode=api.PrefetchLockMode.LOCK)
             submitted.append((self._sm.submit_prefetch_task(spec), keyed))
-        p = Prefetch(submitted, keys, time.monotonic())
+        p = Prefetch(submitted, keys, time.monotonic(), before=before)
         self._maybe_untrusted.update(keys)
         self._inflight.append(p)
         return p
@@ -283,11 +286,12 @@ class ChunkStore:
         self._inflight = still
 
     def _settle(self, p: Prefetch, results) -> None:
-        locked, bad = [], []
+        locked, bad, strays = [], [], {}
         for (_, rows), result in zip(p.tasks, results):
             for row, (gid, hashes, keys) in enumerate(rows):
                 loaded = set(result.l2_hit_cells[row].get_indices_list())
-                for i in result.hit_cells[row].get_indices_list():
+                hit = result.hit_cells[row].get_indices_list()
+                for i in hit:
                     key = keys[i]  # as submitted: the namespace may have changed since
                     locked.append(key)
                     if i in loaded:
@@ -295,8 +299,13 @@ class ChunkStore:
                             p.loaded.add((hashes[i], gid))
                         else:
                             bad.append(key)
+                hit = set(hit)
+                strays.setdefault(gid, []).extend(
+                    (keys[i], hashes[i]) for i in range(len(keys))
+                    if i not in hit and keys[i] not in p.before)
         if locked:
             self._sm.finish_read_prefetched(locked)
+        bad += self._verify_strays(strays)
         if bad:
             self._bad.update(bad)
             self._sm.delete_l1_keys(bad)
@@ -311,6 +320,21 @@ class ChunkStore:
         self._maybe_untrusted.subtract(p.keys)
         self._maybe_untrusted += Counter()  # drop zero counts
         p.finished = True
+
+    def _verify_strays(self, strays: dict[int, list]) -> list:
+        """Objects a prefetch brought into L1 but left out of the hit it reports: LMCache
+        keeps them there unlocked (e.g. those past a value that failed to load, which ends
+        a prefix). Verified like the hit; the keys of those that fail."""
+        bad = []
+        for gid, pairs in strays.items() if self.config.verify_checksums else ():
+            keys = [k for k, _ in pairs]
+            held = self._l1_prefetch(gid, keys, lock=True)  # locked: eviction may not
+            try:                                            # free them while we read
+                bad += [keys[i] for i in held if not self._verified(keys[i], pairs[i][1], gid)]
+            finally:
+                if held:
+                    self._sm.finish_read_prefetched([keys[i] for i in held])
+        return bad
 
     def _verified(self, key, chunk_hash: bytes, gid: int) -> bool:
         if not self.config.verify_checksums:
