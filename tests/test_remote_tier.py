@@ -38,11 +38,11 @@ GROUPS = (0, 1)
 WINDOWS = {g.group_id: window_chunks(g, CHUNK) for g in LAYOUT.groups}
 
 # Stated bounds (seconds). Measured here: a lookup against a killed or a frozen server
-# is a miss after the adapter's request_timeout (0.50-0.52 s; 2.01 s with 2.0); a write takes
-# milliseconds whatever the server does (up to ~0.5 s on a loaded machine while the
-# adapter's threads handle a burst of timeouts: CPU, not a wait on the server); a
-# restarted server stores again within 0.1-0.2 s. The bounds leave room for a loaded
-# 2-core CI machine.
+# is a miss after the adapter's request_timeout (0.50-0.52 s; 2.01 s with 2.0); a write
+# takes milliseconds whatever the server does (up to ~0.5 s on a loaded machine while
+# the adapter's threads handle a burst of timeouts: CPU, not a wait on the server); a
+# restarted server stores and serves again 0.2-3 s after it is back (each of glide's
+# clients reconnects on its own). The bounds leave room for a loaded 2-core CI machine.
 REQUEST_TIMEOUT = 0.5  # the valkey adapter's per-request timeout in these tests
 SLACK = 1.5
 LOOKUP_BOUND = REQUEST_TIMEOUT + SLACK  # a lookup is a miss within this if the server is gone
@@ -209,17 +209,20 @@ def test_killed_server_is_a_miss_writes_do_not_wait_and_a_restart_serves_again(t
         assert reads_back(store, during)  # the CPU tier serves it while the server is gone
 
         tier_server.start()  # same port, empty keyspace (no persistence)
-        back = time.monotonic()
-        for h in hashes[3:]:  # one chunk per 0.1 s until one reaches the server
+        back, served = time.monotonic(), False
+        for h in hashes[3:]:  # one chunk per 0.1 s until one is stored and served again
             data, seconds = put(store, [h], gen)
             assert seconds < WRITE_BOUND, seconds
             time.sleep(0.1)
             if set(tier_server.keys()) >= {wire_key(store, h, g) for g in GROUPS}:
+                drop_cpu_tier(store, [h])  # each of glide's clients reconnects on its own:
+                p, _ = lookup(store, [h])  # a read may fail for a moment after a write works
+                if p.loaded == cells([h]):
+                    served = reads_back(store, data)
+                    break
+            if time.monotonic() - back > RECOVERY_BOUND:
                 break
-        assert time.monotonic() - back < RECOVERY_BOUND
-        drop_cpu_tier(store, [h])
-        p, _ = lookup(store, [h])
-        assert p.loaded == cells([h]) and reads_back(store, data)
+        assert served and time.monotonic() - back < RECOVERY_BOUND
         drop_cpu_tier(store, hashes[:2])
         p, _ = lookup(store, hashes[:2])  # lost with the old server's memory: a miss
         assert p.finished and not p.loaded and not reads_back(store, before)
