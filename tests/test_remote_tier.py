@@ -255,6 +255,37 @@ def test_frozen_server_is_a_miss_within_bound_then_serves_again(tier_server):
         store.close()
 
 
+def test_the_cpu_tier_is_still_offered_while_a_prefetch_waits_for_the_server(tier_server):
+    """A lookup that gives up waiting for a frozen server answers from the CPU tier: what
+    was there when its prefetch started stays offered (and pinned, bit-exact) while the
+    prefetch is still out; only what the prefetch may bring up waits for verification."""
+    store = open_store(spec_for(tier_server, request_timeout=FROZEN_TIMEOUT))
+    try:
+        gen = torch.Generator().manual_seed(7)
+        hashes = chunk_hashes(list(range(3 * CHUNK)), CHUNK)
+        written, _ = put(store, hashes, gen)
+        wait_for_keys(tier_server, 6)
+        store._sm.delete_l1_keys([store.key(hashes[2], g) for g in GROUPS], force=True)
+        tier_server.pause()
+        try:
+            p = store.start_prefetch(hashes, WINDOWS)
+            store.poll()
+            assert not p.finished
+            assert store.resident(hashes) == {0: {0, 1}, 1: {0, 1}}
+            head = {k: v for k, v in written.items() if k[0] in hashes[:2]}
+            assert reads_back(store, head)
+        finally:
+            tier_server.resume()
+        deadline = time.monotonic() + FROZEN_TIMEOUT + SLACK
+        while not p.finished and time.monotonic() < deadline:
+            store.poll()
+            time.sleep(0.01)
+        assert p.finished and reads_back(store, head)
+    finally:
+        tier_server.resume()
+        store.close()
+
+
 def test_server_down_at_start_is_an_error_not_a_stall(tmp_path):
     server = TierServer(require_server(), workdir=tmp_path)  # never started
     start = time.monotonic()
