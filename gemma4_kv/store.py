@@ -109,8 +109,12 @@ class Prefetch:
     finished: bool = False
     loaded: set[ChunkKey] = field(default_factory=set)
     rejected: int = 0
-    before: set = field(default_factory=set)
-    """Its keys that were in L1 when it started (verified already, or written here)."""
+    held: list = field(default_factory=list)
+    """Its keys that were in L1 when it started (verified already, or written here),
+    read-locked until it settles: they stay offered meanwhile, and cannot be evicted
+    and brought up again from L2 unverified."""
+    untrusted: list = field(default_factory=list)
+    """The others: not offered until it settles (it may bring them up from L2)."""
 
 
 @dataclass
@@ -253,8 +257,10 @@ class ChunkStore:
         planned = [(policy, windows, [(gid, hs, [self.key(h, gid) for h in hs])
                                       for gid, hs in rows]) for rows, policy, windows in tasks]
         keys = [k for _, _, keyed in planned for _, _, ks in keyed for k in ks]
-        before = {ks[i] for _, _, keyed in planned for gid, _, ks in keyed
-                  for i in self._l1_prefetch(gid, ks, lock=False)}
+        held = [ks[i] for _, _, keyed in planned for gid, _, ks in keyed
+                for i in self._l1_prefetch(gid, ks, lock=True)]
+        before = set(held)
+        untrusted = [k for k in keys if k not in before]
         submitted = []
         for policy, windows, keyed in planned:
             groups = [api.GroupedObjectKeys(
@@ -264,8 +270,8 @@ class ChunkStore:
             spec = api.PrefetchTaskSpec(key_groups=groups, fetching_policy=policy,
                                         lock_mode=api.PrefetchLockMode.LOCK)
             submitted.append((self._sm.submit_prefetch_task(spec), keyed))
-        p = Prefetch(submitted, keys, time.monotonic(), before=before)
-        self._maybe_untrusted.update(keys)
+        p = Prefetch(submitted, keys, time.monotonic(), held=held, untrusted=untrusted)
+        self._maybe_untrusted.update(untrusted)
         self._inflight.append(p)
         return p
 
@@ -286,7 +292,7 @@ class ChunkStore:
         self._inflight = still
 
     def _settle(self, p: Prefetch, results) -> None:
-        locked, bad, strays = [], [], {}
+        locked, bad, strays, held = [], [], {}, set(p.held)
         for (_, rows), result in zip(p.tasks, results):
             for row, (gid, hashes, keys) in enumerate(rows):
                 loaded = set(result.l2_hit_cells[row].get_indices_list())
@@ -302,10 +308,12 @@ class ChunkStore:
                 hit = set(hit)
                 strays.setdefault(gid, []).extend(
                     (keys[i], hashes[i]) for i in range(len(keys))
-                    if i not in hit and keys[i] not in p.before)
+                    if i not in hit and keys[i] not in held)
         if locked:
             self._sm.finish_read_prefetched(locked)
         bad += self._verify_strays(strays)
+        if p.held:
+            self._sm.finish_read_prefetched(p.held)
         if bad:
             self._bad.update(bad)
             self._sm.delete_l1_keys(bad)
@@ -317,9 +325,9 @@ class ChunkStore:
             logger.warning("gemma4-kv: %d object(s) from an L2 tier failed verification "
                            "(corrupt, truncated or foreign): dropped, recomputed instead",
                            len(bad))
-        self._maybe_untrusted.subtract(p.keys)
+        self._maybe_untrusted.subtract(p.untrusted)
         self._maybe_untrusted += Counter()  # drop zero counts
-        p.finished = True
+        p.held, p.finished = [], True
 
     def _verify_strays(self, strays: dict[int, list]) -> list:
         """Objects a prefetch brought into L1 but left out of the hit it reports: LMCache
