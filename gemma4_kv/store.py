@@ -4,7 +4,7 @@ One LMCache object per (chunk, group): the group's KV_2LTD tensor plus a small
 integrity trailer (`integrity.py`), keyed by `ObjectKey(chunk_hash, namespace,
 kv_rank, object_group_id=group_id)`, where the namespace is the layout fingerprint
 plus a generation that `reset` changes. L1 is LMCache's CPU pool (pinned when CUDA is
-present); L2 tiers (local disk `fs_native`, Redis/Valkey `resp`, ...) sit behind it
+present); L2 tiers (local disk `fs_native`, Redis/Valkey `valkey`, ...) sit behind it
 through LMCache's own adapters. Nothing here is a home-made store.
 
 What may fail is done before a hit is offered, never during its load:
