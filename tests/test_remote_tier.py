@@ -371,14 +371,19 @@ def test_a_full_server_evicts_or_refuses_writes_never_stalls(tmp_path, policy):
     noeviction: it refuses writes beyond the limit (those objects stay in the CPU tier
     only). Either way, objects go one by one: a chunk may keep one group and lose the
     other, which makes a shorter hit, never a wrong one. Writes never wait."""
+    # Redis's LRU is approximate: it samples keys (64 here, 5 by default) and its clock
+    # ticks once a second, so the older half is written more than a second earlier.
     server = TierServer(require_server(), workdir=tmp_path,
-                        args=("--maxmemory", "3mb", "--maxmemory-policy", policy)).start()
+                        args=("--maxmemory", "3mb", "--maxmemory-policy", policy,
+                              "--maxmemory-samples", "64")).start()
     store = open_store(spec_for(server), cpu_bytes=8 << 20)
     try:
         gen = torch.Generator().manual_seed(5)
         hashes = chunk_hashes(list(range(240 * CHUNK)), CHUNK)  # 240 x 12 KiB: 2.9 MB
         slowest, written = 0.0, {}
         for i in range(0, len(hashes), 8):
+            if i == len(hashes) // 2:
+                time.sleep(1.1)
             data, seconds = put(store, hashes[i:i + 8], gen)
             written.update(data)
             slowest = max(slowest, seconds)
@@ -390,6 +395,9 @@ def test_a_full_server_evicts_or_refuses_writes_never_stalls(tmp_path, policy):
         keys = set(server.keys())
         whole = [h for h in hashes if {wire_key(store, h, g) for g in GROUPS} <= keys]
         assert 0 < len(whole) < len(hashes)
+        older = sum(h in whole for h in hashes[:120])
+        newer = len(whole) - older
+        assert newer > older if policy == "allkeys-lru" else older > newer, (older, newer)
         first, last = hashes[:1], hashes[-1:]
         drop_cpu_tier(store, hashes)
         p_first, _ = lookup(store, first)
