@@ -11,6 +11,7 @@ SPEC: {"model": dir, "connector": bool,
        "speculative_config": {...} | null, "loras": {name: adapter dir},
        "preload": [modules whose install() runs before the engine starts, e.g. stand-ins
                    for compiled vLLM ops missing on the GPU machine],
+       "metrics": [vLLM counter names]     recorded after each prompt (log stats on)
        "prompts": [PROMPT, ...]            sent one at a time: later ones hit earlier ones
        "steps": [STEP, ...]}               or a script of steps (instead of "prompts"):
 STEP:  {"prompts": [PROMPT, ...], "batch": bool (all in flight at once),
@@ -23,8 +24,9 @@ PROMPT: [token ids] | {"tokens": [...], "lora": name, "salt": str,
         "embeds": {"seed": s, "rows": [lo, hi]}} (rows lo..hi-1 given as random
         embeddings of that seed instead of token ids)
 OUT:  {"outputs": [[token ids]], "cached": [num_cached_tokens], "ttft": [s],
-       "steps": [{"outputs", "cached", "ttft"} | {"result"}], ...} (outputs, cached and
-       ttft of every prompt of every step, in order)
+       "metrics": [{"name{label=value,...}": cumulative value}] (with "metrics"),
+       "steps": [{"outputs", "cached", "ttft", "metrics"} | {"result"}], ...} (outputs,
+       cached, ttft and metrics of every prompt of every step, in order)
 """
 
 from __future__ import annotations
@@ -116,6 +118,8 @@ def run(spec: dict) -> dict:
     if spec.get("speculative_config"):
         kwargs["speculative_config"] = spec["speculative_config"]
         kwargs["disable_log_stats"] = False  # for the draft acceptance counters
+    if spec.get("metrics"):
+        kwargs["disable_log_stats"] = False
     if spec.get("connector"):
         kwargs["kv_transfer_config"] = connector_config(
             spec.get("extra_config", {}), role=spec.get("kv_role", "kv_both"),
@@ -139,7 +143,7 @@ def run(spec: dict) -> dict:
         elif step.get("reset"):
             out["steps"].append({"result": llm.reset_prefix_cache(reset_connector=True)})
         elif step.get("metrics"):
-            out["steps"].append({"result": _counters(llm)})
+            out["steps"].append({"result": _all_counters(llm)})
         else:
             out["steps"].append(_generate(llm, spec, step, out))
     return out
@@ -168,8 +172,10 @@ def _generate(llm, spec: dict, step: dict, out: dict) -> dict:
             res["ttft"].append(first or wall)  # = TTFT when max_tokens is 1
         if spec.get("speculative_config"):
             out.setdefault("spec_decode", []).append(_spec_counters(llm))
-    for k in ("outputs", "cached", "ttft"):
-        out[k] += res[k]
+        if spec.get("metrics"):
+            res.setdefault("metrics", []).append(_counters(llm, spec["metrics"]))
+    for k in res:
+        out.setdefault(k, []).extend(res[k])
     return res
 
 
@@ -226,11 +232,23 @@ def perturb_weights(worker, name: str = "model.layers.0.self_attn.k_norm.weight"
     return float(p.data.abs().mean())
 
 
-def _counters(llm) -> list:
+def _all_counters(llm) -> list:
     """Every counter of the engine as the front-end sees it (`LLM.get_metrics`)."""
     from vllm.v1.metrics.reader import Counter
 
     return [[m.name, m.labels, m.value] for m in llm.get_metrics() if isinstance(m, Counter)]
+
+
+def _counters(llm, names) -> dict:
+    """Cumulative values of vLLM's counters `names`, one entry per set of labels (the
+    engine's and model's own left out): e.g. vllm:prompt_tokens_cached_by_source{source=disk}."""
+    out = {}
+    for m in llm.get_metrics():
+        if m.name in names and hasattr(m, "value"):
+            labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items())
+                              if k not in ("engine", "model_name"))
+            out[f"{m.name}{{{labels}}}" if labels else m.name] = m.value
+    return out
 
 
 def _spec_counters(llm) -> dict:

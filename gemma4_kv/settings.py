@@ -217,7 +217,10 @@ SERVER_EXCLUSIVE = ("cpu_gb", "disk_path", "disk_gb", "l2_adapters")
 
 # -- l2_adapters: each one checked by LMCache's own `lmcache server --l2-adapter` parser --
 
-_EXAMPLE = '[{"type": "resp", "host": "redis.local", "port": 6379}]'
+_EXAMPLE = '[{"type": "valkey", "startup_nodes": "redis.local:6379", "request_timeout": 0.5}]'
+_RESP_REFUSED = (
+    "LMCache 0.5.6's resp adapter never reconnects after a server restart and keeps only "
+    "one group of each chunk for models whose groups differ in object size")
 _SECRET = re.compile(r"pass|secret|token|credential|auth", re.I)
 _GENERIC_BOOLS = ("shared", "persist_enabled")  # read with bool() by LMCache: "false" is True
 
@@ -271,8 +274,9 @@ def _adapter_class(type_name: str):
         return l2.get_l2_adapter_config_class(type_name)
     except (ImportError, ValueError):
         pass
-    known = l2.get_registered_l2_adapter_types()
-    close = difflib.get_close_matches(type_name, known, n=2, cutoff=0.6)
+    known = [t for t in l2.get_registered_l2_adapter_types() if t != "resp"]
+    close = ["valkey"] if type_name.lower() == "redis" else \
+        difflib.get_close_matches(type_name, known, n=2, cutoff=0.6)
     hint = f'did you mean "{close[0]}"? ' if close else ""
     raise _Bad(f'has an adapter type LMCache does not know: "{type_name}"',
                f"{hint}types available here: {', '.join(known)}")
@@ -307,7 +311,10 @@ def _adapter(spec, i: int) -> dict:
     type_name = spec.get("type")
     if not isinstance(type_name, str) or not type_name:
         raise _Bad('needs a "type" string (the LMCache adapter type)',
-                   'add "type": "resp" (or "fs_native", "valkey", "p2p", ...)',
+                   'add "type": "valkey" (or "fs_native", "p2p", ...)',
+                   sub=sub, shown=shown)
+    if type_name == "resp":
+        raise _Bad(f'(type "resp") is not supported: {_RESP_REFUSED}', _valkey_for(spec),
                    sub=sub, shown=shown)
     where = _non_finite(spec)
     if where is not None:
@@ -337,6 +344,16 @@ def _adapter(spec, i: int) -> dict:
         bad.sub, bad.shown = sub, shown
         raise
     return copy.deepcopy(spec)
+
+
+def _valkey_for(resp: dict) -> str:
+    """The fix for a refused `resp` spec: the same server through the `valkey` adapter."""
+    host, port = resp.get("host"), resp.get("port")
+    node = f"{host}:{port}" if isinstance(host, str) and host and isinstance(port, int) \
+        else "HOST:PORT"
+    auth = "".join(f', "{k}": ...' for k in ("username", "password") if resp.get(k))
+    return (f'use valkey: {{"type": "valkey", "startup_nodes": "{node}", "request_timeout": '
+            f'0.5, "connection_timeout": 1.0{auth}}} (the same Redis or Valkey server)')
 
 
 def _adapters(v):
@@ -388,9 +405,10 @@ class ConnectorSettings:
         0.0, "GiB of the disk tier for the whole engine (`disk_gb` / N per rank), LRU "
         "eviction; 0 = unbounded; needs `disk_path`", _number(at_least=0), shown="0")
     l2_adapters: tuple = _key(
-        (), "more LMCache tiers, a list of `lmcache server --l2-adapter` JSON objects: `resp` "
-        "(Redis / Valkey), `fs_native` on a shared mount with `\"shared\": true`, `p2p`, ...; "
-        "each checked by LMCache's parser, network tiers by a connect at start-up",
+        (), "more LMCache tiers, a list of `lmcache server --l2-adapter` JSON objects: "
+        "`valkey` (a Redis or Valkey server shared by engines; `resp` is refused), `fs_native` "
+        "on a shared mount with `\"shared\": true`, `p2p`, ...; each checked by LMCache's "
+        "parser, network tiers by a connect at start-up",
         _adapters, shown="`[]`")
     num_programs: int = _key(
         32, "SM budget (programs, 1-1024) of the kernel that loads straight from pinned "
@@ -650,18 +668,16 @@ def tier_endpoints(spec: dict) -> tuple[list[tuple[str, int]], bool]:
     """(host, port) pairs a network adapter connects to, as LMCache parsed them, and whether
     one reachable pair is enough (a Valkey cluster finds the rest from any seed)."""
     kind = spec.get("type")
-    if kind not in ("resp", "valkey"):
+    if kind != "valkey":  # `resp` never gets here: it is refused when parsed
         return [], True
     cfg = _lmcache_parse(spec, kind, _adapter_class(kind))
-    if kind == "resp":
-        return [(cfg.host, cfg.port)], False
     if cfg.cluster_mode:
         return list(cfg.startup_nodes), True
     return list(cfg.startup_nodes[:1]), False  # standalone Valkey uses the first node only
 
 
 def check_tiers_reachable(settings: ConnectorSettings, timeout_s: float = 1.0) -> None:
-    """A TCP connect to each network tier in `l2_adapters` (resp, valkey): an unreachable
+    """A TCP connect to each network tier in `l2_adapters` (valkey): an unreachable
     tier fails start-up naming it, instead of every lookup waiting on it later; likewise
     `lmcache_server` (its version and shared memory are checked when the store opens)."""
     if settings.lmcache_server:

@@ -4,7 +4,7 @@ One LMCache object per (chunk, group): the group's KV_2LTD tensor plus a small
 integrity trailer (`integrity.py`), keyed by `ObjectKey(chunk_hash, namespace,
 kv_rank, object_group_id=group_id)`, where the namespace is the layout fingerprint
 plus a generation that `reset` changes. L1 is LMCache's CPU pool (pinned when CUDA is
-present); L2 tiers (local disk `fs_native`, Redis/Valkey `resp`, ...) sit behind it
+present); L2 tiers (local disk `fs_native`, Redis/Valkey `valkey`, ...) sit behind it
 through LMCache's own adapters. Nothing here is a home-made store.
 
 What may fail is done before a hit is offered, never during its load:
@@ -109,6 +109,12 @@ class Prefetch:
     finished: bool = False
     loaded: set[ChunkKey] = field(default_factory=set)
     rejected: int = 0
+    held: list = field(default_factory=list)
+    """Its keys that were in L1 when it started (verified already, or written here),
+    read-locked until it settles: they stay offered meanwhile, and cannot be evicted
+    and brought up again from L2 unverified."""
+    untrusted: list = field(default_factory=list)
+    """The others: not offered until it settles (it may bring them up from L2)."""
 
 
 @dataclass
@@ -250,21 +256,24 @@ class ChunkStore:
 
     def _submit(self, tasks) -> Prefetch:
         api = self._api
-        submitted, keys = [], []
-        for rows, policy, windows in tasks:
-            groups, keyed = [], []
-            for gid, hs in rows:
-                ks = [self.key(h, gid) for h in hs]
-                keys += ks
-                keyed.append((gid, hs, ks))
-                groups.append(api.GroupedObjectKeys(
-                    keys=ks, object_group_id=gid, layout_desc=self._layouts[gid],
-                    sliding_window_size=windows[gid] if policy == "prefix" else -1))
+        planned = [(policy, windows, [(gid, hs, [self.key(h, gid) for h in hs])
+                                      for gid, hs in rows]) for rows, policy, windows in tasks]
+        keys = [k for _, _, keyed in planned for _, _, ks in keyed for k in ks]
+        held = [ks[i] for _, _, keyed in planned for gid, _, ks in keyed
+                for i in self._l1_prefetch(gid, ks, lock=True)]
+        before = set(held)
+        untrusted = [k for k in keys if k not in before]
+        submitted = []
+        for policy, windows, keyed in planned:
+            groups = [api.GroupedObjectKeys(
+                keys=ks, object_group_id=gid, layout_desc=self._layouts[gid],
+                sliding_window_size=windows[gid] if policy == "prefix" else -1)
+                for gid, _, ks in keyed]
             spec = api.PrefetchTaskSpec(key_groups=groups, fetching_policy=policy,
                                         lock_mode=api.PrefetchLockMode.LOCK)
             submitted.append((self._sm.submit_prefetch_task(spec), keyed))
-        p = Prefetch(submitted, keys, time.monotonic())
-        self._maybe_untrusted.update(keys)
+        p = Prefetch(submitted, keys, time.monotonic(), held=held, untrusted=untrusted)
+        self._maybe_untrusted.update(untrusted)
         self._inflight.append(p)
         return p
 
@@ -285,11 +294,12 @@ class ChunkStore:
         self._inflight = still
 
     def _settle(self, p: Prefetch, results) -> None:
-        locked, bad = [], []
+        locked, bad, strays, held = [], [], {}, set(p.held)
         for (_, rows), result in zip(p.tasks, results):
             for row, (gid, hashes, keys) in enumerate(rows):
                 loaded = set(result.l2_hit_cells[row].get_indices_list())
-                for i in result.hit_cells[row].get_indices_list():
+                hit = result.hit_cells[row].get_indices_list()
+                for i in hit:
                     key = keys[i]  # as submitted: the namespace may have changed since
                     locked.append(key)
                     if i in loaded:
@@ -297,8 +307,15 @@ class ChunkStore:
                             p.loaded.add((hashes[i], gid))
                         else:
                             bad.append(key)
+                hit = set(hit)
+                strays.setdefault(gid, []).extend(
+                    (keys[i], hashes[i]) for i in range(len(keys))
+                    if i not in hit and keys[i] not in held)
         if locked:
             self._sm.finish_read_prefetched(locked)
+        bad += self._verify_strays(strays)
+        if p.held:
+            self._sm.finish_read_prefetched(p.held)
         if bad:
             self._bad.update(bad)
             self._sm.delete_l1_keys(bad)
@@ -310,9 +327,24 @@ class ChunkStore:
             logger.warning("gemma4-kv: %d object(s) from an L2 tier failed verification "
                            "(corrupt, truncated or foreign): dropped, recomputed instead",
                            len(bad))
-        self._maybe_untrusted.subtract(p.keys)
+        self._maybe_untrusted.subtract(p.untrusted)
         self._maybe_untrusted += Counter()  # drop zero counts
-        p.finished = True
+        p.held, p.finished = [], True
+
+    def _verify_strays(self, strays: dict[int, list]) -> list:
+        """Objects a prefetch brought into L1 but left out of the hit it reports: LMCache
+        keeps them there unlocked (e.g. those past a value that failed to load, which ends
+        a prefix). Verified like the hit; the keys of those that fail."""
+        bad = []
+        for gid, pairs in strays.items() if self.config.verify_checksums else ():
+            keys = [k for k, _ in pairs]
+            held = self._l1_prefetch(gid, keys, lock=True)  # locked: eviction may not
+            try:                                            # free them while we read
+                bad += [keys[i] for i in held if not self._verified(keys[i], pairs[i][1], gid)]
+            finally:
+                if held:
+                    self._sm.finish_read_prefetched([keys[i] for i in held])
+        return bad
 
     def _verified(self, key, chunk_hash: bytes, gid: int) -> bool:
         if not self.config.verify_checksums:

@@ -40,7 +40,10 @@ def prompts():
 
 
 def run_engine(tmp_path, name, model, *, connector, engine, extra=None, spec_cfg=None,
-               connector_class=None, role="kv_both", env=None, preload=()):
+               connector_class=None, role="kv_both", env=None, preload=(), steps=None,
+               metrics=()):
+    """`steps`: a harness script instead of `prompts()`; `metrics`: vLLM counters to
+    record after each prompt (the harness's "metrics")."""
     stats = tmp_path / f"{name}.stats.jsonl"
     spec = {"model": model, "prompts": prompts(), "connector": connector, "max_tokens": 6,
             "kv_role": role,
@@ -48,6 +51,10 @@ def run_engine(tmp_path, name, model, *, connector, engine, extra=None, spec_cfg
             "extra_config": {"cpu_gb": 0.25, "stats_file": str(stats),
                              "retention_interval": RETENTION, **(extra or {})},
             "speculative_config": spec_cfg, "preload": list(preload)}
+    if steps is not None:
+        spec["steps"] = steps
+    if metrics:
+        spec["metrics"] = list(metrics)
     if connector_class:
         spec.update(connector_class=connector_class, connector_module="broken_connector")
     spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"

@@ -201,18 +201,34 @@ def test_l2_adapter_list_of_strings():
 
 def test_l2_adapter_unknown_type_lists_what_lmcache_knows():
     msg = adapter_error({"type": "redis", "host": "h", "port": 1})
-    assert 'type LMCache does not know: "redis"' in msg and 'did you mean "resp"?' in msg
+    assert 'type LMCache does not know: "redis"' in msg and 'did you mean "valkey"?' in msg
+    assert '"resp"' not in msg  # refused, so never suggested
     assert "fs_native" in msg and "valkey" in msg
     assert 'needs a "type" string' in adapter_error({"host": "h"})
     assert 'needs a "type" string' in adapter_error({"type": ["resp"]})
 
 
+def test_resp_adapter_is_refused_with_the_reason_and_valkey_as_the_fix():
+    msg = adapter_error({"type": "resp", "host": "redis.local", "port": 6379,
+                         "password": "hunter2"}, 1)
+    assert msg.startswith('gemma4-kv: kv_connector_extra_config["l2_adapters"][1] (type '
+                          '"resp") is not supported: '), msg
+    assert ("LMCache 0.5.6's resp adapter never reconnects after a server restart and keeps "
+            "only one group of each chunk for models whose groups differ in object size") in msg
+    assert 'fix: use valkey: {"type": "valkey", "startup_nodes": "redis.local:6379", ' in msg
+    assert '"password": ...' in msg and "hunter2" not in msg
+    # Refused before LMCache's parser is asked: the reason comes first, whatever the fields.
+    assert "is not supported" in adapter_error({"type": "resp", "port": "x"})
+    assert '"startup_nodes": "HOST:PORT"' in adapter_error({"type": "resp"})
+
+
 def test_l2_adapter_bad_field_is_lmcache_parsers_error():
-    msg = adapter_error({"type": "resp", "host": "redis.local", "port": "6379",
+    msg = adapter_error({"type": "valkey", "startup_nodes": "redis.local:x",
                          "password": "hunter2"})
-    assert '(type "resp") is rejected by LMCache: port must be a positive integer' in msg
+    assert ('(type "valkey") is rejected by LMCache: startup_nodes entry has non-integer '
+            "port: 'redis.local:x'") in msg
     assert "hunter2" not in msg and '"password": "***"' in msg  # secrets are not echoed
-    assert "port (int): server port" in msg  # LMCache's own help for the adapter's fields
+    assert "startup_nodes (required): 'host:port'" in msg  # LMCache's help for the fields
     msg = adapter_error({"type": "mock", "max_size_gb": 1}, 1)
     assert '(type "mock")' in msg and "mock_bandwidth_gb" in msg
 
@@ -220,7 +236,7 @@ def test_l2_adapter_bad_field_is_lmcache_parsers_error():
 def test_l2_adapter_values_lmcache_would_coerce():
     msg = adapter_error({"type": "fs_native", "base_path": "/x", "shared": "false"})
     assert 'field "shared" must be true or false' in msg
-    msg = adapter_error({"type": "resp", "host": "h", "port": 1, "max_capacity_gb": math.nan})
+    msg = adapter_error({"type": "valkey", "startup_nodes": "h:1", "max_capacity_gb": math.nan})
     assert 'NaN or infinity at ["max_capacity_gb"]' in msg
     for bad in ("0.8", 7, True):
         msg = adapter_error({"type": "fs_native", "base_path": "/x",
@@ -306,30 +322,27 @@ def closed_port():
 
 def test_reachable_tiers_pass(listening, closed_port):
     check_tiers_reachable(parse({"l2_adapters": [
-        MOCK, {"type": "resp", "host": "127.0.0.1", "port": listening},
-        {"type": "valkey", "startup_nodes": f"127.0.0.1:{listening}"},
+        MOCK, {"type": "valkey", "startup_nodes": f"127.0.0.1:{listening}"},
         # a cluster needs one reachable seed
         {"type": "valkey", "cluster_mode": True,
          "startup_nodes": f"127.0.0.1:{closed_port},127.0.0.1:{listening}"}]}))
 
 
-@pytest.mark.parametrize("kind", ["resp", "valkey"])
-def test_unreachable_tier_names_the_adapter(listening, closed_port, kind):
-    dead = ({"type": "resp", "host": "127.0.0.1", "port": closed_port} if kind == "resp"
-            else {"type": "valkey", "startup_nodes": f"127.0.0.1:{closed_port}"})
-    live = {"type": "resp", "host": "127.0.0.1", "port": listening}
+def test_unreachable_tier_names_the_adapter(listening, closed_port):
+    dead = {"type": "valkey", "startup_nodes": f"127.0.0.1:{closed_port}"}
+    live = {"type": "valkey", "startup_nodes": f"127.0.0.1:{listening}"}
     s = parse({"l2_adapters": [live, dead]})  # parsing connects to nothing
     with pytest.raises(SettingsError) as info:
         check_tiers_reachable(s, timeout_s=1.0)
     msg = str(info.value)
-    assert msg.startswith(f'gemma4-kv: kv_connector_extra_config["l2_adapters"][1] (type '
-                          f'"{kind}") cannot be reached'), msg
+    assert msg.startswith('gemma4-kv: kv_connector_extra_config["l2_adapters"][1] (type '
+                          '"valkey") cannot be reached'), msg
     assert f"127.0.0.1:{closed_port}" in msg and "fix: start that server" in msg
 
 
 def test_out_of_range_port_is_unreachable_not_a_crash():
-    s = parse({"l2_adapters": [{"type": "resp", "host": "127.0.0.1", "port": 70000}]})
-    with pytest.raises(SettingsError, match=r"\[0\] \(type \"resp\"\) cannot be reached"):
+    s = parse({"l2_adapters": [{"type": "valkey", "startup_nodes": "127.0.0.1:70000"}]})
+    with pytest.raises(SettingsError, match=r"\[0\] \(type \"valkey\"\) cannot be reached"):
         check_tiers_reachable(s)
 
 

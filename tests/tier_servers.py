@@ -62,7 +62,7 @@ class TierServer:
     """One server process on a fixed loopback port; start/stop as often as a test needs."""
 
     def __init__(self, binary: str | None = None, port: int | None = None,
-                 workdir: str | os.PathLike | None = None):
+                 workdir: str | os.PathLike | None = None, args: tuple[str, ...] = ()):
         self.binary = binary or server_binary()
         if self.binary is None:
             raise RuntimeError("no valkey-server or redis-server on PATH "
@@ -72,6 +72,7 @@ class TierServer:
         self.port = port or free_port()
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="tier-server-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.args = tuple(args)  # more server options, e.g. ("--maxmemory", "4mb")
         self.proc: subprocess.Popen | None = None
 
     # -- lifecycle --------------------------------------------------------------------
@@ -83,7 +84,7 @@ class TierServer:
         self.proc = subprocess.Popen(
             [self.binary, "--bind", HOST, "--port", str(self.port), "--save", "",
              "--appendonly", "no", "--dir", str(self.workdir), "--daemonize", "no",
-             "--protected-mode", "no", "--loglevel", "warning"],
+             "--protected-mode", "no", "--loglevel", "warning", *self.args],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
         _LIVE.add(self)
@@ -150,11 +151,7 @@ class TierServer:
     def flush(self) -> None:
         self.cli("FLUSHALL")
 
-    # -- LMCache L2 adapter specs -----------------------------------------------------
-    def resp_spec(self, **extra) -> dict:
-        """LMCache's native RESP adapter (C++ client in `lmcache.lmcache_redis`)."""
-        return {"type": "resp", "host": self.host, "port": self.port, **extra}
-
+    # -- LMCache L2 adapter spec ------------------------------------------------------
     def valkey_spec(self, **extra) -> dict:
         """LMCache's valkey-glide adapter (needs the `valkey-glide-sync` package)."""
         return {"type": "valkey", "startup_nodes": f"{self.host}:{self.port}", **extra}

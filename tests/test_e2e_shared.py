@@ -1,0 +1,326 @@
+"""Engines sharing one real Redis/Valkey server (LMCache's `valkey` tier), in real vLLM.
+
+One recomputation run gives the tokens every engine must produce. Engine A (empty
+server) runs the usual prompts; engine B, another process with an empty CPU tier, hits
+what A stored; A restarted (a new process) hits too. Then, in that engine, the server
+is killed between two steps and the engine keeps serving: misses beyond its CPU tier
+within a stated TTFT bound, identical tokens; the server comes back empty, the engine
+stores into it again and, with its CPU tier emptied, hits from it.
+
+The test stops the server from a thread of its own, at a point the engine waits for:
+a harness step runs `rendezvous` on the worker, which writes `<name>.ready` and waits
+for `<name>.go`.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from e2e_common import (CHUNK, RETENTION, check_against_plan, expected_store, prompts,
+                        run_engine, save_config, tiny_gemma4_config)
+from gemma4_kv.hf_layout import hf_layout
+from gemma4_kv.request_keys import chunk_keys
+from gemma4_kv.plan import hit_chunks, hit_ends, max_servable_hit, retained_chunks
+from tier_servers import TierServer, require_server
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+BLOCK = 32
+ENGINE = {"dtype": "float32", "block_size": BLOCK}
+REQUEST_TIMEOUT = 0.5  # the valkey adapter's per-request timeout
+LOOKUP_TIMEOUT = 2.0  # the connector's lookup_timeout_s (its default)
+TTFT_SLACK = 1.5
+"""While the server is gone, a request's TTFT is at most its recomputation TTFT plus
+lookup_timeout_s plus this. A lookup of K objects against a dead server takes about
+ceil(K / num_workers) x request_timeout (42 objects, 8 workers: 3 s), so the lookup
+gives up at lookup_timeout_s, answers from the CPU tier and skips the server for 5 s."""
+DRAIN_S = 4.0
+"""Time between the end of the outage's last step and the restart: requests still queued
+for the dead server (that lookup's 3 s, then the last saves' copies) fail first, and
+none lands in the restarted server."""
+RECONNECT_S = 5.0
+"""Time the server is given after its restart before the engine writes again: glide's
+clients reconnect one by one, 0.2-3 s measured (tests/test_remote_tier.py)."""
+SOURCES = "vllm:prompt_tokens_cached_by_source"
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+BASE, OTHER = prompts()[0], prompts()[-1][1100:]
+THIRD, FOURTH, FIFTH = _tokens(1, 800), _tokens(2, 700), _tokens(3, 600)
+B_PROMPTS = [BASE, BASE + OTHER, THIRD]
+
+
+# -- on the worker (harness "call" steps) ---------------------------------------------------
+def rendezvous(worker, marker_dir: str, name: str, drop_cpu_tier: bool = False) -> int:
+    """Tell the test this engine has reached `name` and wait for it to act; then, if
+    asked, empty this rank's CPU tier (so the next hits can only come from the server).
+    The CPU tier's bytes in use after that."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    d = Path(marker_dir)
+    (d / f"{name}.ready").touch()
+    deadline = time.monotonic() + 120
+    while not (d / f"{name}.go").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the test never answered rendezvous {name!r}")
+        time.sleep(0.02)
+    store = get_kv_transfer_group()._worker.store
+    if drop_cpu_tier:
+        store._sm.clear(force=False)
+    return store.usage()[0]
+
+
+class Conductor(threading.Thread):
+    """The test's side of `rendezvous`: when the engine is ready at `name`, run
+    `actions[name]` (in order), then let it go on."""
+
+    def __init__(self, marker_dir: Path, actions: dict):
+        super().__init__(daemon=True)
+        self.dir, self.actions = marker_dir, actions
+        self.results, self.error = {}, None
+        self.done = threading.Event()
+
+    def run(self):
+        for name, act in self.actions.items():
+            while not (self.dir / f"{name}.ready").exists():
+                if self.done.wait(0.02):
+                    return
+            try:
+                self.results[name] = act()
+            except BaseException as e:  # reported by the test, after the engine exits
+                self.error = self.error or e
+            (self.dir / f"{name}.go").touch()
+
+
+def step(name: str, marker_dir: Path, **kw) -> dict:
+    return {"call": "test_e2e_shared:rendezvous",
+            "kwargs": {"marker_dir": str(marker_dir), "name": name, **kw}}
+
+
+# -- a model of what each tier holds ---------------------------------------------------------
+def key_hashes(prompt) -> list[bytes]:
+    """The connector's chunk keys of a plain token prompt (from vLLM's own Request)."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return chunk_keys(Request("r", list(prompt), SamplingParams(max_tokens=6), None),
+                      CHUNK).hashes
+
+
+class Tiers:
+    """What one engine's CPU tier and the server hold ((chunk hash, group) objects), and
+    the hit each prompt gets: the planner's functions, as e2e_common.expected_store, over
+    the connector's own keys (so that the server's key names can be predicted)."""
+
+    def __init__(self, layout, server: set):
+        self.layout, self.server, self.cpu = layout, server, set()
+
+    def run(self, prompt, *, server_up: bool = True) -> int:
+        layout, hashes = self.layout, key_hashes(prompt)
+        m = layout.chunk_multiple
+        limit = (len(prompt) - 1) // m * m
+        have = self.cpu | self.server if server_up else self.cpu
+        hit = max_servable_hit(layout, CHUNK, len(hashes),
+                               lambda g, c: (hashes[c], g) in have, limit=limit)
+        self.cpu |= {(hashes[c], g) for g, c in hit_chunks(layout, 0, hit, CHUNK)}  # loaded
+        ends = hit_ends(len(hashes), CHUNK, limit, RETENTION)
+        saved = {(hashes[c], g.group_id) for g in layout.groups
+                 for c in retained_chunks(g, CHUNK, ends) if c >= hit // CHUNK}
+        if server_up:
+            self.server |= saved - self.cpu  # objects in the CPU tier are not written again
+        self.cpu |= saved
+        return hit
+
+
+def after_a(r) -> set:
+    """What the server holds once engine A has run `prompts()`."""
+    tiers = Tiers(r["layout"], set())
+    for p in prompts():
+        tiers.run(p)
+    return tiers.server
+
+
+def wire_keys(fingerprint: str, objects: set) -> set[str]:
+    return {f"{fingerprint}@{0:08x}@{g:x}@{h.hex()}" for h, g in objects}
+
+
+def by_source(out: dict) -> list[dict]:
+    """Per prompt, the tokens vLLM counted as cached by each source (`SOURCES` deltas)."""
+    rows, last = [], {}
+    for snapshot in out["metrics"]:
+        rows.append({k.split("source=")[1].rstrip("}"): v - last.get(k, 0)
+                     for k, v in snapshot.items() if k.startswith(SOURCES) and v != last.get(k, 0)})
+        last = snapshot
+    return rows
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every engine of this file, once: recomputation, A, B, A restarted with the server
+    killed and restarted mid-run. Each check below reads these runs."""
+    require_server()
+    tmp = tmp_path_factory.mktemp("shared")
+    cfg = tiny_gemma4_config(window=100)
+    model = save_config(cfg, tmp / "model")
+    layout = hf_layout(cfg, dtype=torch.float32, block_size=BLOCK)
+    server = TierServer(workdir=tmp / "server").start()
+    extra = {"lookup_timeout_s": LOOKUP_TIMEOUT,
+             "l2_adapters": [server.valkey_spec(request_timeout=REQUEST_TIMEOUT,
+                                                connection_timeout=1.0)]}
+    r = {"cfg": cfg, "layout": layout, "server": server}
+    try:
+        distinct = list({tuple(p): p for p in prompts() + [THIRD, FOURTH, FIFTH]}.values())
+        r["base"], _ = run_engine(tmp, "base", model, connector=False, engine=ENGINE,
+                                  steps=[{"prompts": distinct}], metrics=[SOURCES])
+        r["expected"] = {tuple(p): o for p, o in zip(distinct, r["base"]["outputs"])}
+        r["base_ttft"] = {tuple(p): t for p, t in zip(distinct, r["base"]["ttft"])}
+
+        r["a"], r["a_events"] = run_engine(tmp, "a", model, connector=True, engine=ENGINE,
+                                           extra=extra, metrics=[SOURCES])
+        r["keys_after_a"] = set(wire_keys_wait(server, len(expected_store(layout)[1])))
+        r["b"], r["b_events"] = run_engine(tmp, "b", model, connector=True, engine=ENGINE,
+                                           extra=extra, steps=[{"prompts": B_PROMPTS}],
+                                           metrics=[SOURCES])
+        r["keys_after_b"] = set(server.keys())
+
+        marks = tmp / "marks"
+        marks.mkdir()
+        times = {}
+
+        def down():
+            server.kill()
+            times["down"] = time.monotonic()
+
+        def up():
+            time.sleep(DRAIN_S)
+            server.start()
+            time.sleep(RECONNECT_S)
+
+        def check():
+            r["keys_after_restart"] = set(wire_keys_wait(server, 1))
+
+        conductor = Conductor(marks, {"down": down, "up": up, "check": check})
+        conductor.start()
+        steps = [{"prompts": [BASE, THIRD]}, step("down", marks),
+                 {"prompts": [BASE + OTHER, FOURTH]}, step("up", marks),
+                 {"prompts": [FIFTH, FOURTH]}, step("check", marks, drop_cpu_tier=True),
+                 {"prompts": [FIFTH, FOURTH]}]
+        try:
+            r["a2"], r["a2_events"] = run_engine(tmp, "a2", model, connector=True,
+                                                 engine=ENGINE, extra=extra, steps=steps,
+                                                 metrics=[SOURCES])
+        finally:
+            conductor.done.set()
+            conductor.join(10)
+        if conductor.error:
+            raise conductor.error
+        yield r
+    finally:
+        server.kill()
+
+
+def wire_keys_wait(server: TierServer, n: int, bound: float = 10.0) -> list[str]:
+    """The server's keys once it holds at least `n` (copies to it are asynchronous)."""
+    deadline = time.monotonic() + bound
+    while len(keys := server.keys()) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return keys
+
+
+def fingerprint_of(events) -> str:
+    (layout,) = [e for e in events if e["event"] == "layout"]
+    return layout["fingerprint"]
+
+
+def tokens_match(r, out, prompt_list) -> list:
+    return [i for i, (p, o) in enumerate(zip(prompt_list, out["outputs"]))
+            if o != r["expected"][tuple(p)]]
+
+
+# -- the checks ------------------------------------------------------------------------------
+def test_engine_a_stores_every_planned_object_in_the_server(runs):
+    r = runs
+    base = {"outputs": [r["expected"][tuple(p)] for p in prompts()],
+            "cached": [0] * len(prompts())}
+    check_against_plan(r["cfg"], r["a_events"], r["a"], base, dtype=torch.float32,
+                       block_size=BLOCK)
+    tiers = Tiers(r["layout"], set())
+    assert [tiers.run(p) for p in prompts()] == r["a"]["cached"]
+    assert len(tiers.server) == len(expected_store(r["layout"])[1])
+    assert r["keys_after_a"] == wire_keys(fingerprint_of(r["a_events"]), tiers.server)
+
+
+def test_engine_b_hits_what_a_stored_from_the_shared_tier(runs):
+    r = runs
+    tiers = Tiers(r["layout"], after_a(r))
+    want = [tiers.run(p) for p in B_PROMPTS]
+    assert want[0] == 1024 and want[1] == 1792 and want[2] == 0
+    assert r["b"]["cached"] == want
+    assert not tokens_match(r, r["b"], B_PROMPTS)
+    assert fingerprint_of(r["b_events"]) == fingerprint_of(r["a_events"])
+    # vLLM's own accounting: B's CPU tier was empty, so the first hit came from the
+    # server (reported as DISK, the connector's L2 source), none of it from HOST.
+    sources = by_source(r["b"])
+    assert sources[0] == {"disk": 1024}
+    assert sources[1] == {"host": 1024, "disk": 768}  # chunks 0-3 were brought up before
+    assert sources[2] == {}
+    assert r["keys_after_b"] == wire_keys(fingerprint_of(r["a_events"]), tiers.server)
+
+
+def test_engine_a_restarted_still_hits(runs):
+    r = runs
+    after_b = Tiers(r["layout"], after_a(r))
+    for p in B_PROMPTS:
+        after_b.run(p)
+    tiers = Tiers(r["layout"], after_b.server)
+    first = r["a2"]["steps"][0]
+    assert first["cached"] == [tiers.run(p) for p in (BASE, THIRD)] == [1024, 768]
+    assert not tokens_match(r, first, [BASE, THIRD])
+    assert by_source(r["a2"])[:2] == [{"disk": 1024}, {"disk": 768}]
+
+
+def test_server_killed_mid_run_misses_within_ttft_bound_then_serves_again(runs):
+    r = runs
+    after_b = Tiers(r["layout"], after_a(r))
+    for p in B_PROMPTS:
+        after_b.run(p)
+    tiers = Tiers(r["layout"], after_b.server)
+    for p in (BASE, THIRD):
+        tiers.run(p)
+    steps = r["a2"]["steps"]
+    # Server killed: only what this engine's CPU tier holds hits (BASE's 1024 tokens,
+    # not the 1792 the server held); tokens identical; no request waits more than
+    # lookup_timeout_s beyond recomputation (the next one, in the back-off, not at all).
+    down = steps[2]
+    assert down["cached"] == [tiers.run(p, server_up=False) for p in (BASE + OTHER, FOURTH)]
+    assert down["cached"] == [1024, 0]
+    assert not tokens_match(r, down, [BASE + OTHER, FOURTH])
+    for p, ttft in zip((BASE + OTHER, FOURTH), down["ttft"]):
+        assert ttft < r["base_ttft"][tuple(p)] + LOOKUP_TIMEOUT + TTFT_SLACK, ttft
+    assert down["ttft"][1] < r["base_ttft"][tuple(FOURTH)] + TTFT_SLACK
+    assert by_source(r["a2"])[2:4] == [{"host": 1024}, {}]
+    # Server back (empty): new chunks are stored in it again; FOURTH, stored while it was
+    # gone, hits from the CPU tier only.
+    tiers.server = set()
+    back = steps[4]
+    assert back["cached"] == [tiers.run(p) for p in (FIFTH, FOURTH)] == [0, 512]
+    assert not tokens_match(r, back, [FIFTH, FOURTH])
+    assert r["keys_after_restart"] == wire_keys(fingerprint_of(r["a2_events"]), tiers.server)
+    # CPU tier emptied: FIFTH hits from the server, FOURTH (never in it) misses.
+    assert steps[5]["result"] == [0]
+    tiers.cpu = set()
+    again = steps[6]
+    assert again["cached"] == [tiers.run(p) for p in (FIFTH, FOURTH)] == [512, 0]
+    assert not tokens_match(r, again, [FIFTH, FOURTH])
+    assert by_source(r["a2"])[-2:] == [{"disk": 512}, {}]
