@@ -24,8 +24,8 @@ from .metadata import Gemma4KVMetadata
 from .metrics import Gemma4KVStats, StatsFile
 from .plan import ChunkBlocks, load_blocks
 from .saves import Saver
-from .settings import (ConnectorSettings, SettingsError, check_host_resources,
-                       check_tiers_reachable)
+from .host_checks import check_host_resources, check_tiers_reachable
+from .settings import ConnectorSettings, SettingsError
 from .staging import StagingPool
 from .store import ChunkStore, set_lmcache_log_level
 from .transfer import Transfer

@@ -23,7 +23,8 @@ from gemma4_kv import integrity
 from gemma4_kv.keys import chunk_hashes, fingerprint
 from gemma4_kv.layout import AttentionKind, KVGroup, KVLayout
 from gemma4_kv.metrics import Gemma4KVStats
-from gemma4_kv.settings import ConnectorSettings, SettingsError, check_tiers_reachable
+from gemma4_kv.host_checks import check_tiers_reachable
+from gemma4_kv.settings import ConnectorSettings, SettingsError
 from gemma4_kv.tiers.mp_server import (MPServerTier, UnsupportedServer, object_slots,
                                        server_argv)
 from gemma4_kv.tiers.server_store import ServerStore
