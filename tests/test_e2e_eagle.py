@@ -54,16 +54,19 @@ stale differs by ~10% or more."""
 
 
 def _steps():
-    """The shared prompts one at a time; a prompt whose first chunk completes while
-    decoding (stored under the decode margin); two long prompts in one batch (the
-    second's prefill split in steps); a prompt so long that the drafter does not run
-    in its prefill step (max_seq_len + SPEC_TOKENS > max_model_len)."""
+    """The shared prompts one at a time; one that shares two chunks with the first but
+    not the token after them (no hit: the draft KV of token 511 was computed from
+    another token 512); one whose first chunk completes while decoding; two long
+    prompts in one batch (each prefill split in steps); one so long that the drafter
+    does not run in its prefill step (max_seq_len + SPEC_TOKENS > max_model_len)."""
     rng = random.Random(1)
+    base = prompts()[0]
+    other = [t + 1 if t < 499 else 3 for t in base[512:600]]  # differs at every token
     fresh = [rng.randrange(3, 500) for _ in range(250)]
     long_a = [rng.randrange(3, 500) for _ in range(2300)]
     long_b = [rng.randrange(3, 500) for _ in range(2300)]
     too_long = [rng.randrange(3, 500) for _ in range(MAX_LEN - 1)]
-    return [{"prompts": prompts()},
+    return [{"prompts": prompts() + [base[:512] + other]},
             {"prompts": [fresh], "max_tokens": DECODE_TOKENS},
             {"prompts": [long_a, long_b], "batch": True},
             {"prompts": [too_long], "max_tokens": 1}]
@@ -163,8 +166,9 @@ def test_eagle3_draft_kv_is_stored_loaded_and_final(tmp_path):
     n = len(sent)
     # Recomputation: every sequence once more as one prefill under its own salt (no
     # hits, the drafter runs: at most MAX_LEN - 1 - SPEC_TOKENS tokens).
-    refs = [{"tokens": (p + o)[:MAX_LEN - 1 - SPEC_TOKENS], "salt": f"ref{i}"}
-            for i, (p, o) in enumerate(zip(sent, base["outputs"]))]
+    seqs = {tuple((p + o)[:MAX_LEN - 1 - SPEC_TOKENS]): None
+            for p, o in zip(sent, base["outputs"])}
+    refs = [{"tokens": list(seq), "salt": f"ref{i}"} for i, seq in enumerate(seqs)]
     out, events = _run(tmp_path, "conn", model, draft,
                        [{"call": "kv_probe:install"}, *steps,
                         {"prompts": refs, "max_tokens": 1},
@@ -196,20 +200,22 @@ def test_eagle3_draft_kv_is_stored_loaded_and_final(tmp_path):
     # Hits and stored objects as the planner predicts them with the lookahead key.
     impure = _impure(report["schedule"], [len(p) for p in sent] +
                      [len(r["tokens"]) for r in refs])
-    too_long = n - 1  # the drafter did not run in its prefill: nothing of it is stored
+    decode, batched, too_long = len(steps[0]["prompts"]), n - 3, n - 1
+    # the drafter did not run in its prefill: nothing of it is stored
     impure[too_long] = set(range(len(sent[too_long]) // CHUNK))
-    assert impure[n - 2], "the batched prompt's prefill was not split"
+    assert impure[batched + 1], "the batched prompt's prefill was not split"
     requests = [(p, None, o, impure[i]) for i, (p, o) in enumerate(zip(sent, base["outputs"]))]
     requests += [(r["tokens"], r["salt"], o, impure[n + i])
                  for i, (r, o) in enumerate(zip(refs, out["outputs"][n:]))]
     hits, objects = _expected(layout, requests)
     assert out["cached"] == hits
     assert any(hits) and base["cached"] == [0] * n
+    assert hits[decode - 1] == 0  # two plain chunks in common, the lookahead differs
     saved = [set() for _ in requests]
     for req, chunk, gid in report["saved"]:
         saved[int(req.split("-")[0])].add((chunk, gid))
-    decode = len(prompts())  # its chunk 0 is completed by generated tokens; the
-    # sliding groups' blocks of it are out of the window (freed) by then
+    # The decode prompt's chunk 0 is completed by generated tokens; its sliding
+    # groups' blocks are out of the window (freed) by then.
     generated = {(0, g.group_id) for g in layout.groups if g.window is None}
     assert saved[decode] == objects[decode] | generated
     assert [s for i, s in enumerate(saved) if i != decode] == \
