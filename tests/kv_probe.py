@@ -1,10 +1,10 @@
 """Worker-side probe of what the connector stores and loads (collective_rpc targets).
 
-`install` wraps the connector's worker half of a live engine: every stored object is
-copied as it is written, every loaded block range read back from vLLM's cache right
-after the load, each under a content key (the request's tokens up to the chunk's end
-plus the token after it, the one an EAGLE drafter read at the chunk's last position)
-and group. `report` then says
+`install` wraps the connector's worker half of a live engine: every stored object
+is copied as it is written, every loaded block range read back from vLLM's cache
+once the step that loaded it has run, each under a content key (the request's tokens
+up to the chunk's end plus the token after it, the one an EAGLE drafter read at the
+chunk's last position) and group. `report` then says
 
 - which stored positions vLLM wrote again after they were stored (full-attention
   groups, while the request still runs): stored too early, e.g. before a rejected
@@ -50,7 +50,7 @@ def read_chunk(group, caches, num_blocks: int, cb) -> tuple[list[int], torch.Ten
         k = x[..., :hd].permute(1, 0, 2).reshape(x.shape[1], -1)
         v = x[..., hd:].permute(1, 0, 2).reshape(x.shape[1], -1)
         per_layer.append(torch.stack([k, v]))
-    return tokens, torch.stack(per_layer, dim=1).clone()
+    return tokens, torch.stack(per_layer, dim=1).cpu()
 
 
 def content_key(tokens, chunk: int, chunk_size: int, group_id: int) -> str | None:
@@ -61,6 +61,11 @@ def content_key(tokens, chunk: int, chunk_size: int, group_id: int) -> str | Non
         return None
     data = struct.pack(f"<{end + 1}q", *tokens[:end + 1]) + struct.pack("<q", group_id)
     return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 class _Probe:
@@ -75,6 +80,7 @@ class _Probe:
         self.schedule: list[dict] = []  # per step: tokens computed before it, per request
         self.counts = {"saved": 0, "loaded": 0, "steps": 0}
         self._save = None
+        self._pending_loads = []
         orig_saver_save, orig_transfer_save = cw.saver.save, cw.transfer.save
         orig_wait, orig_load = cw.wait_for_save, cw.start_load_kv
 
@@ -87,22 +93,27 @@ class _Probe:
 
         def transfer_save(group, caches, objects, plan, pool):
             out = orig_transfer_save(group, caches, objects, plan, pool)
+            _sync()  # on CUDA the copies land later, on a side stream
             for (kv, _, _), cb in zip(objects, plan):
                 self._stored(group, caches, kv, cb)
             return out
 
         def wait_for_save(meta):
+            # After this step's forward and drafter: its loads have landed, and any
+            # rewrite of a stored position has happened.
+            _sync()
             self.counts["steps"] += 1
             self.schedule.append({r: st.num_computed_tokens
                                   for r, st in worker.model_runner.requests.items()})
+            for load in self._pending_loads:
+                self._loaded(load)
+            self._pending_loads = []
             self.check_rewrites()
             return orig_wait(meta)
 
         def start_load_kv(meta):
-            out = orig_load(meta)
-            for load in meta.loads:
-                self._loaded(load)
-            return out
+            self._pending_loads += meta.loads
+            return orig_load(meta)
 
         cw.saver.save, cw.transfer.save = saver_save, transfer_save
         cw.wait_for_save, cw.start_load_kv = wait_for_save, start_load_kv

@@ -37,20 +37,29 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 SPEC_TOKENS = 2
-BLOCK = 32
 MAX_LEN = 4096
 SPLIT = 1000
 """long_prefill_token_threshold: a prefill sharing its steps with another request is
 split every 1000 tokens (inside a chunk); one alone gets the whole budget."""
-ENGINE = {"dtype": "float32", "block_size": BLOCK, "enforce_eager": True,
-          "max_model_len": MAX_LEN, "max_num_batched_tokens": MAX_LEN,
-          "long_prefill_token_threshold": SPLIT}
+COMMON = {"enforce_eager": True, "max_model_len": MAX_LEN,
+          "max_num_batched_tokens": MAX_LEN, "long_prefill_token_threshold": SPLIT}
+PLATFORMS = {
+    # The CPU build: float32, synchronous scheduling.
+    "cpu": {"engine": {"dtype": "float32", "block_size": 32}, "dtype": torch.float32,
+            "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "preload": [], "rtol": 1e-3},
+    # The H200 (.gpu-vllm/env.sh and benchmarks/gpu_env.sh sourced, -k cuda): bf16,
+    # Triton attention, asynchronous scheduling (the scheduler's computed tokens run
+    # ahead of what was accepted), batch-invariant numerics as in test_e2e_gpu.py.
+    "cuda": {"engine": {"dtype": "bfloat16", "block_size": 16,
+                        "gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 4 << 30},
+             "dtype": torch.bfloat16, "env": {"VLLM_BATCH_INVARIANT": "1"},
+             "preload": ["vllm_standins"], "rtol": 3e-2},
+}
 MAX_TOKENS = 6
 DECODE_TOKENS = 40
-RTOL = 1e-3
-"""Captures of the same content computed in different steps differ by float32
-rounding (~1e-5 of a layer's largest value); KV computed from another token or left
-stale differs by ~10% or more."""
+"""rtol: captures of the same content computed in different steps differ by rounding
+(float32: ~1e-5 of a layer's largest value, bf16 up to its ~8e-3 epsilon); KV computed
+from another token or left stale differs by ~10% or more."""
 
 
 def _steps():
@@ -72,10 +81,11 @@ def _steps():
             {"prompts": [too_long], "max_tokens": 1}]
 
 
-def _run(tmp_path, name, model, draft, steps, *, connector):
+def _run(tmp_path, name, model, draft, steps, *, connector, platform):
     stats = tmp_path / f"{name}.stats.jsonl"
     spec = {"model": model, "connector": connector, "max_tokens": MAX_TOKENS,
-            "engine": ENGINE, "steps": [{"call": "kv_probe:sharpen_draft"}, *steps],
+            "engine": {**COMMON, **platform["engine"]}, "preload": platform["preload"],
+            "steps": [{"call": "kv_probe:sharpen_draft"}, *steps],
             "extra_config": {"cpu_gb": 0.5, "stats_file": str(stats),
                              "retention_interval": RETENTION, "save_decode_tokens": True},
             "speculative_config": {"method": "eagle3", "model": draft,
@@ -83,9 +93,9 @@ def _run(tmp_path, name, model, draft, steps, *, connector):
     spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONHASHSEED="0",
-               VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
-               PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONHASHSEED="0", VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
+               PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
+               **platform["env"])
     proc = run_group([sys.executable, "-P", "-m", "gemma4_kv.harness", str(spec_path),
                       str(out_path)], env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -95,14 +105,14 @@ def _run(tmp_path, name, model, draft, steps, *, connector):
     return out, events
 
 
-def _layout(event) -> KVLayout:
+def _layout(event, dtype) -> KVLayout:
     """The worker's groups (its layout event) as descriptors for the planner, with the
     tiny model's geometry: 1 KV head of 32 (sliding) or 64 (full) channels."""
     return KVLayout(tuple(
         KVGroup(group_id=i, kind=AttentionKind(g["kind"]), window=g["window"],
                 block_size=g["block_size"], num_kv_heads=1,
                 head_size=32 if g["kind"] == "sliding" else 64,
-                head_size_v=32 if g["kind"] == "sliding" else 64, dtype=torch.float32,
+                head_size_v=32 if g["kind"] == "sliding" else 64, dtype=dtype,
                 layers=tuple(g["layers"]))
         for i, g in enumerate(event["groups"])))
 
@@ -156,12 +166,14 @@ def _expected(layout, requests):
     return hits, objects
 
 
-def test_eagle3_draft_kv_is_stored_loaded_and_final(tmp_path):
+@pytest.mark.parametrize("name", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_eagle3_draft_kv_is_stored_loaded_and_final(tmp_path, name):
+    platform = PLATFORMS[name]
     cfg = tiny_gemma4_config(window=100)
     model = save_config(cfg, tmp_path / "model")
     draft = save_config(tiny_eagle3_config(cfg), tmp_path / "draft")
     steps = _steps()
-    base, _ = _run(tmp_path, "base", model, draft, steps, connector=False)
+    base, _ = _run(tmp_path, "base", model, draft, steps, connector=False, platform=platform)
     sent = [p for s in steps for p in s["prompts"]]
     n = len(sent)
     # Recomputation: every sequence once more as one prefill under its own salt (no
@@ -172,8 +184,8 @@ def test_eagle3_draft_kv_is_stored_loaded_and_final(tmp_path):
     out, events = _run(tmp_path, "conn", model, draft,
                        [{"call": "kv_probe:install"}, *steps,
                         {"prompts": refs, "max_tokens": 1},
-                        {"call": "kv_probe:report", "kwargs": {"rtol": RTOL}}],
-                       connector=True)
+                        {"call": "kv_probe:report", "kwargs": {"rtol": platform["rtol"]}}],
+                       connector=True, platform=platform)
     assert out["steps"][1]["result"] == [True]
     report = out["steps"][-1]["result"][0]
     assert out["outputs"][:n] == base["outputs"], "greedy tokens differ from recomputation"
@@ -183,7 +195,7 @@ def test_eagle3_draft_kv_is_stored_loaded_and_final(tmp_path):
 
     # The draft's layer owns KV inside the target's full-attention group.
     (layout_event,) = [e for e in events if e["event"] == "layout"]
-    layout = _layout(layout_event)
+    layout = _layout(layout_event, platform["dtype"])
     target = {f"model.layers.{i}.self_attn.attn" for i in range(cfg.num_hidden_layers)}
     draft_layer = f"model.layers.{cfg.num_hidden_layers}.self_attn.attn"
     (full,) = [g for g in layout.groups if draft_layer in g.layers]
