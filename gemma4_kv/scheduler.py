@@ -54,6 +54,9 @@ class _Request:
     """A lookup reached the workers: they may hold pins or a prefetch for it."""
     stored: list[tuple[int, ...]] = field(default_factory=list)
     """Groups stored for each chunk so far (to touch them when the request ends)."""
+    impure: set[int] = field(default_factory=set)
+    """Chunks holding draft KV that a one-step prefill would not have computed (see
+    `ConnectorScheduler._mark_impure`): never stored."""
 
 
 class RanksDown(Exception):
@@ -121,6 +124,22 @@ class ConnectorScheduler:
         self.draft_lookahead = int(spec is not None and drafts_own_kv(vllm_config,
                                                                      self.layout))
         self.decode_margin = (spec.num_speculative_tokens + 1) if self.draft_lookahead else 0
+        # vLLM's V1 model runner (the CPU build's; a GPU's when V2 is off or lacks a
+        # feature) writes draft KV that a one-step prefill would not: at the last
+        # position of a prefill step that is not the prompt's last, its padded drafter
+        # batch reads the request's last token instead of the next one (the "backup"
+        # token of `prepare_next_token_ids_padded`), and no draft KV at all in a step
+        # whose batch ends within the draft length of the drafter's max_model_len
+        # (`_input_fits_in_drafter`). Neither is rewritten later; such chunks are not
+        # stored (`_mark_impure`). The V2 runner feeds the next prompt token.
+        v1 = bool(self.draft_lookahead) and not getattr(vllm_config, "use_v2_model_runner",
+                                                         False)
+        self.impure_step_ends = v1 and not spec.disable_padded_drafter_batch
+        self.drafter_room = None
+        if v1:
+            draft_len = getattr(spec.draft_model_config, "max_model_len", None)
+            queries = spec.num_speculative_tokens + int(spec.method == "dflash")
+            self.drafter_room = (draft_len or vllm_config.model_config.max_model_len) - queries
         world = vllm_config.parallel_config.tensor_parallel_size
         self.client = LookupClient([socket_address(ktc.engine_id, os.getpid(), r)
                                     for r in range(world)],
@@ -228,12 +247,17 @@ class ConnectorScheduler:
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+        scheduled_tokens = scheduler_output.num_scheduled_tokens
+        drafter_skipped = self.drafter_room is not None and max(
+            (computed[r] + n for r, n in scheduled_tokens.items() if r in computed),
+            default=0) > self.drafter_room
+        for req_id, scheduled in scheduled_tokens.items():
             st = self._requests.get(req_id)
             if st is None or req_id not in computed:
                 continue
             if self._state(st.request) is None:  # reset while in flight: stop saving
                 continue
+            self._mark_impure(st, computed[req_id], scheduled, drafter_skipped)
             done = self._chunks_done(st, computed[req_id], scheduled)
             if done <= st.next_chunk:
                 continue
@@ -242,7 +266,8 @@ class ConnectorScheduler:
             block_ids = tuple(list(b) for b in self.kv_cache_manager.get_block_ids(req_id))
             every = self._hashes(st, done * self.chunk_size)
             hashes = every[st.next_chunk:done]
-            groups = [self._groups_to_store(st, c) for c in range(st.next_chunk, done)]
+            groups = [() if c in st.impure else self._groups_to_store(st, c)
+                      for c in range(st.next_chunk, done)]
             # lmcache_server keys a chunk by its whole prefix: send the hashes before it.
             prefix = every[:st.next_chunk] if self.settings.lmcache_server else []
             meta.saves.append(SaveRequest(req_id, st.next_chunk, hashes, groups, block_ids,
@@ -250,6 +275,19 @@ class ConnectorScheduler:
             st.stored += [()] * (st.next_chunk - len(st.stored)) + groups
             st.next_chunk = done
         return meta
+
+    def _mark_impure(self, st: _Request, computed: int, scheduled: int,
+                     drafter_skipped: bool) -> None:
+        """Chunks whose draft KV this step leaves other than a one-step prefill would
+        (V1 model runner, see `__init__`): all it computes if the drafter does not run,
+        else the one holding the step's last position if the request's known tokens go
+        on past it (a prefill step that is not the last)."""
+        end = computed + scheduled
+        if drafter_skipped:
+            st.impure.update(range(computed // self.chunk_size,
+                                   (end - 1) // self.chunk_size + 1))
+        elif self.impure_step_ends and end < st.request.num_tokens:
+            st.impure.add((end - 1) // self.chunk_size)
 
     def _chunks_done(self, st: _Request, computed: int, scheduled: int) -> int:
         """Chunks whose KV is final after this step: prompt chunks this step computes,

@@ -1,0 +1,243 @@
+"""End to end in real vLLM (CPU build) with an EAGLE3 draft that owns KV.
+
+The tiny random-weight Gemma 4 target with a one-layer EAGLE3 llama draft
+(`eagle_draft.py`): vLLM merges the draft's attention layer into the target's
+full-attention group, so every object of that group carries draft KV. The same
+prompts run with and without the connector. A probe (`kv_probe.py`) copies every
+object as it is stored and every hit as it is loaded; at the end every sequence runs
+once more as one fresh prefill under its own cache salt (a recomputation in the same
+engine), and every capture must equal the recomputation of the same content, draft
+layer included, and no stored position may be written again while its request runs.
+
+Where vLLM 0.32's V1 model runner (the CPU build's) writes draft KV that a one-step
+prefill would not have, the chunk must not be stored: the last position of a prefill
+step that is not the prompt's last (the padded drafter reads the request's last token
+there, not the next one), and every position of a step whose batch ends too close to
+max_model_len for the drafter to run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+from e2e_common import CHUNK, RETENTION, prompts, run_group
+from eagle_draft import tiny_eagle3_config
+from gemma4_kv.harness import save_config, tiny_gemma4_config
+from gemma4_kv.keys import chunk_hashes
+from gemma4_kv.layout import AttentionKind, KVGroup, KVLayout
+from gemma4_kv.plan import hit_ends, max_servable_hit, needed_blocks, retained_chunks
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+SPEC_TOKENS = 2
+MAX_LEN = 4096
+SPLIT = 1000
+"""long_prefill_token_threshold: a prefill sharing its steps with another request is
+split every 1000 tokens (inside a chunk); one alone gets the whole budget."""
+COMMON = {"enforce_eager": True, "max_model_len": MAX_LEN,
+          "max_num_batched_tokens": MAX_LEN, "long_prefill_token_threshold": SPLIT}
+PLATFORMS = {
+    # The CPU build: float32, synchronous scheduling.
+    "cpu": {"engine": {"dtype": "float32", "block_size": 32}, "dtype": torch.float32,
+            "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "preload": [], "rtol": 1e-3},
+    # The H200 (.gpu-vllm/env.sh and benchmarks/gpu_env.sh sourced, -k cuda): bf16,
+    # Triton attention, asynchronous scheduling (the scheduler's computed tokens run
+    # ahead of what was accepted), batch-invariant numerics as in test_e2e_gpu.py.
+    "cuda": {"engine": {"dtype": "bfloat16", "block_size": 16,
+                        "gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 4 << 30},
+             "dtype": torch.bfloat16, "env": {"VLLM_BATCH_INVARIANT": "1"},
+             "preload": ["vllm_standins"], "rtol": 3e-2},
+}
+MAX_TOKENS = 6
+DECODE_TOKENS = 40
+"""rtol: captures of the same content computed in different steps differ by rounding
+(float32: ~1e-5 of a layer's largest value, bf16 up to its ~8e-3 epsilon); KV computed
+from another token or left stale differs by ~10% or more."""
+
+
+def _steps():
+    """The shared prompts one at a time; one that shares two chunks with the first but
+    not the token after them (no hit: the draft KV of token 511 was computed from
+    another token 512); one whose first chunk completes while decoding; two long
+    prompts in one batch (each prefill split in steps); one so long that the drafter
+    does not run in its prefill step (max_seq_len + SPEC_TOKENS > max_model_len)."""
+    rng = random.Random(1)
+    base = prompts()[0]
+    other = [t + 1 if t < 499 else 3 for t in base[512:600]]  # differs at every token
+    fresh = [rng.randrange(3, 500) for _ in range(250)]
+    long_a = [rng.randrange(3, 500) for _ in range(2300)]
+    long_b = [rng.randrange(3, 500) for _ in range(2300)]
+    too_long = [rng.randrange(3, 500) for _ in range(MAX_LEN - 1)]
+    return [{"prompts": prompts() + [base[:512] + other]},
+            {"prompts": [fresh], "max_tokens": DECODE_TOKENS},
+            {"prompts": [long_a, long_b], "batch": True},
+            {"prompts": [too_long], "max_tokens": 1}]
+
+
+def _run(tmp_path, name, model, draft, steps, *, connector, platform):
+    stats = tmp_path / f"{name}.stats.jsonl"
+    spec = {"model": model, "connector": connector, "max_tokens": MAX_TOKENS,
+            "engine": {**COMMON, **platform["engine"]}, "preload": platform["preload"],
+            "steps": [{"call": "kv_probe:sharpen_draft"}, *steps],
+            "extra_config": {"cpu_gb": 0.5, "stats_file": str(stats),
+                             "retention_interval": RETENTION, "save_decode_tokens": True},
+            "speculative_config": {"method": "eagle3", "model": draft,
+                                   "num_speculative_tokens": SPEC_TOKENS}}
+    spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONHASHSEED="0", VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
+               PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
+               **platform["env"])
+    proc = run_group([sys.executable, "-P", "-m", "gemma4_kv.harness", str(spec_path),
+                      str(out_path)], env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    events = [json.loads(l) for l in stats.read_text().splitlines()] if stats.exists() else []
+    out = json.loads(out_path.read_text())
+    assert out["steps"][0]["result"][0] > 0  # draft norms sharpened
+    return out, events
+
+
+def _layout(event, dtype) -> KVLayout:
+    """The worker's groups (its layout event) as descriptors for the planner, with the
+    tiny model's geometry: 1 KV head of 32 (sliding) or 64 (full) channels."""
+    return KVLayout(tuple(
+        KVGroup(group_id=i, kind=AttentionKind(g["kind"]), window=g["window"],
+                block_size=g["block_size"], num_kv_heads=1,
+                head_size=32 if g["kind"] == "sliding" else 64,
+                head_size_v=32 if g["kind"] == "sliding" else 64, dtype=dtype,
+                layers=tuple(g["layers"]))
+        for i, g in enumerate(event["groups"])))
+
+
+def _impure(schedule, prompt_lens) -> list[set[int]]:
+    """Per request, the chunks holding the last position of a prefill step that was not
+    its last (from the probe's per-step log of computed tokens)."""
+    starts = [[] for _ in prompt_lens]
+    for step in schedule:
+        for req, computed in step.items():
+            i = int(req.split("-")[0])
+            if not starts[i] or starts[i][-1] != computed:
+                starts[i].append(computed)
+    return [{(e - 1) // CHUNK for e in s[1:] if e < p} for s, p in zip(starts, prompt_lens)]
+
+
+def _expected(layout, requests):
+    """Hits and the prompt-chunk objects each request stores, with the draft lookahead:
+    chunk c's key also names token (c + 1) * CHUNK, so a lookup uses the chunks whose
+    next token is a prompt token, and a chunk ending at the prompt's end is stored
+    once the first generated token is known (a step after the prefill). `requests`:
+    (tokens, salt, generated tokens, chunks not to store)."""
+    stored, hits, objects = set(), [], []
+    m = layout.chunk_multiple
+    for tokens, salt, out, impure in requests:
+        seq = tokens + out
+        keys = [(salt, h, seq[(c + 1) * CHUNK])
+                for c, h in enumerate(chunk_hashes(seq, CHUNK)) if (c + 1) * CHUNK < len(seq)]
+        p = len(tokens)
+        full = (p - 1) // CHUNK
+        limit = min(full * CHUNK, (p - 1) // m * m)
+        hits.append(max_servable_hit(layout, CHUNK, full,
+                                     lambda g, c: (keys[c], g) in stored, limit=limit))
+        n = p // CHUNK
+        # A chunk ending at the prompt's end is stored a step after the prefill; by
+        # then vLLM has freed the sliding blocks wholly before token p - window + 1.
+        late = n - 1 if n * CHUNK == p else None
+        if late is not None and len(out) < 2:
+            n, late = n - 1, None  # no step after the prefill: never stored
+        ends = hit_ends(p // CHUNK, CHUNK, (p - 1) // m * m, RETENTION)
+
+        def kept(g, c):
+            return c != late or g.window is None or p - CHUNK + g.block_size > p - g.window + 1
+
+        new = {(keys[c], c, g.group_id) for g in layout.groups
+               for c in retained_chunks(g, CHUNK, ends)
+               if c < n and c not in impure and kept(g, c)}
+        new = {(c, g) for k, c, g in new if (k, g) not in stored}
+        objects.append(new)
+        stored |= {(keys[c], g) for c, g in new}
+    return hits, objects
+
+
+@pytest.mark.parametrize("name", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_eagle3_draft_kv_is_stored_loaded_and_final(tmp_path, name):
+    platform = PLATFORMS[name]
+    cfg = tiny_gemma4_config(window=100)
+    model = save_config(cfg, tmp_path / "model")
+    draft = save_config(tiny_eagle3_config(cfg), tmp_path / "draft")
+    steps = _steps()
+    base, _ = _run(tmp_path, "base", model, draft, steps, connector=False, platform=platform)
+    sent = [p for s in steps for p in s["prompts"]]
+    n = len(sent)
+    # Recomputation: every sequence once more as one prefill under its own salt (no
+    # hits, the drafter runs: at most MAX_LEN - 1 - SPEC_TOKENS tokens).
+    seqs = {tuple((p + o)[:MAX_LEN - 1 - SPEC_TOKENS]): None
+            for p, o in zip(sent, base["outputs"])}
+    refs = [{"tokens": list(seq), "salt": f"ref{i}"} for i, seq in enumerate(seqs)]
+    out, events = _run(tmp_path, "conn", model, draft,
+                       [{"call": "kv_probe:install"}, *steps,
+                        {"prompts": refs, "max_tokens": 1},
+                        {"call": "kv_probe:report", "kwargs": {"rtol": platform["rtol"]}}],
+                       connector=True, platform=platform)
+    assert out["steps"][1]["result"] == [True]
+    report = out["steps"][-1]["result"][0]
+    assert out["outputs"][:n] == base["outputs"], "greedy tokens differ from recomputation"
+    counter = "vllm:spec_decode_num_accepted_tokens"
+    assert [s[counter] for s in out["spec_decode"][:len(base["spec_decode"])]] == \
+        [s[counter] for s in base["spec_decode"]], "draft acceptance differs"
+
+    # The draft's layer owns KV inside the target's full-attention group.
+    (layout_event,) = [e for e in events if e["event"] == "layout"]
+    layout = _layout(layout_event, platform["dtype"])
+    target = {f"model.layers.{i}.self_attn.attn" for i in range(cfg.num_hidden_layers)}
+    draft_layer = f"model.layers.{cfg.num_hidden_layers}.self_attn.attn"
+    (full,) = [g for g in layout.groups if draft_layer in g.layers]
+    assert full.kind is AttentionKind.FULL and len(full.layers) > 1
+    assert set(full.layers) - {draft_layer} <= target
+    assert {name for g in layout.groups for name in g.layers} == target | {draft_layer}
+
+    # What was stored and loaded is final and what a recomputation computes.
+    assert report["problems"] == []
+    assert report["rewrites"] == [], "stored KV was written again later"
+    assert report["mismatches"] == [], "stored or loaded KV differs from recomputation"
+    assert report["captures"]["load"] > 0 and report["pairs"] >= report["captures"]["load"]
+
+    # Hits and stored objects as the planner predicts them with the lookahead key.
+    impure = _impure(report["schedule"], [len(p) for p in sent] +
+                     [len(r["tokens"]) for r in refs])
+    decode, batched, too_long = len(steps[0]["prompts"]), n - 3, n - 1
+    # the drafter did not run in its prefill: nothing of it is stored
+    impure[too_long] = set(range(len(sent[too_long]) // CHUNK))
+    assert impure[batched + 1], "the batched prompt's prefill was not split"
+    requests = [(p, None, o, impure[i]) for i, (p, o) in enumerate(zip(sent, base["outputs"]))]
+    requests += [(r["tokens"], r["salt"], o, impure[n + i])
+                 for i, (r, o) in enumerate(zip(refs, out["outputs"][n:]))]
+    hits, objects = _expected(layout, requests)
+    assert out["cached"] == hits
+    assert any(hits) and base["cached"] == [0] * n
+    assert hits[decode - 1] == 0  # two plain chunks in common, the lookahead differs
+    saved = [set() for _ in requests]
+    for req, chunk, gid in report["saved"]:
+        saved[int(req.split("-")[0])].add((chunk, gid))
+    # The decode prompt's chunk 0 is completed by generated tokens; its sliding
+    # groups' blocks are out of the window (freed) by then.
+    generated = {(0, g.group_id) for g in layout.groups if g.window is None}
+    assert saved[decode] == objects[decode] | generated
+    assert [s for i, s in enumerate(saved) if i != decode] == \
+        [o for i, o in enumerate(objects) if i != decode]
+
+    loads = [e for e in events if e["event"] == "load"]
+    assert [e["end"] for e in loads] == [h for h in hits if h]
+    assert report["counts"]["loaded"] == len(loads)
+    for e in loads:  # the draft layer's blocks come with every hit
+        blocks = len(needed_blocks(full, 0, e["end"]))
+        assert e["groups"][str(full.group_id)] == {
+            "blocks": blocks, "bytes": blocks * full.page_bytes * len(full.layers)}
+
