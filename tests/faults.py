@@ -15,6 +15,7 @@ their connector from here (`FaultsConnector`, harness `connector_module: "faults
 from __future__ import annotations
 
 import functools
+import json
 import os
 import threading
 import time
@@ -29,13 +30,31 @@ RANK_BACKOFF_S = 3.0
 default, too long to wait for in CI)."""
 
 
+SCHEDULER_LOG = "GEMMA4_KV_FAULTS_SCHEDULER_LOG"
+"""Environment variable: a file where `FaultsConnector` appends one JSON line per
+`get_num_new_matched_tokens` call (request, wall time, seconds it took, answer)."""
+
+
 class FaultsConnector(Gemma4KVConnector):
     """The connector, with the scheduler's lookup pause after a failed rank shortened
-    (`scheduler.RANK_BACKOFF_S` is a module attribute it reads at each failure)."""
+    (`scheduler.RANK_BACKOFF_S` is a module attribute it reads at each failure), and
+    each lookup's time in the scheduler recorded: how long a fault held vLLM's scheduler
+    up, measured where it happens rather than through TTFT."""
 
     def __init__(self, *args, **kwargs):
         scheduler.RANK_BACKOFF_S = RANK_BACKOFF_S
         super().__init__(*args, **kwargs)
+        self._faults_log = os.environ.get(SCHEDULER_LOG)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        t0, wall = time.perf_counter(), time.time()
+        answer = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if self._faults_log:
+            with open(self._faults_log, "a") as f:
+                f.write(json.dumps({"req": request.request_id, "t": wall,
+                                    "seconds": time.perf_counter() - t0,
+                                    "tokens": answer[0]}) + "\n")
+        return answer
 
 
 _armed: dict[str, dict] = {}  # fault name -> its state and counters (per process)
@@ -335,8 +354,15 @@ def _inner_adapter(w):
 
 def _arm_slow_tier(w, state):
     """Each lookup answer of the (inner) L2 adapter is held back until `delay` seconds
-    after LMCache first asked for it; a timer then wakes LMCache's prefetch loop."""
+    after LMCache first asked for it, or until the fault is disarmed (the tier is back);
+    a timer then wakes LMCache's prefetch loop to ask again. With `l2_backoff`, the
+    lookups' first skip of L2 after a slow tier lasts that long (5 s by default: a
+    loaded CI machine can outlast it between two prompts); disarm ends it, as its time
+    running out would."""
     adapter = _inner_adapter(w)
+    backoff = w.lookups._backoff
+    state["l2_backoff_was"] = backoff.delay
+    backoff.delay = state.get("l2_backoff", backoff.delay)
     delay = state["delay"]
     first_asked: dict = {}
     state["timers"], state["held"] = [], 0
@@ -350,7 +376,7 @@ def _arm_slow_tier(w, state):
                 t.daemon = True
                 t.start()
                 state["timers"].append(t)
-            if time.monotonic() < first_asked[task_id] + delay:
+            if not state.get("released") and time.monotonic() < first_asked[task_id] + delay:
                 return None
             return original(task_id)
         return query
@@ -366,10 +392,15 @@ def _arm_slow_tier(w, state):
 
 
 def _disarm_slow_tier(w, state):
+    state["released"] = True  # the tier answers again: every held answer is given now
     for t in state.pop("timers"):
-        t.join()  # every held answer is released before the fault goes
-    time.sleep(0.2)
+        t.cancel()
+    _inner_adapter(w)._lookup_efd.notify()
+    time.sleep(0.5)
     _undo(w, state)
+    backoff = w.lookups._backoff
+    state["l2_backoff_left"] = max(0.0, backoff.until - time.monotonic())
+    backoff.until, backoff.delay = time.monotonic(), state["l2_backoff_was"]
 
 
 # a worker rank that does not answer a lookup within the scheduler's RANK_TIMEOUT_S

@@ -30,10 +30,14 @@ CHUNK = 256
 RETENTION = 512  # sliding-window chunks kept before hits ending at 512 and 1024
 FULL = 1024  # a 1100-token prompt's whole hit (4 chunks; one token is left to compute)
 LOOKUP_TIMEOUT = 1.0  # lookup_timeout_s: how long a lookup waits for the L2 tier
-TIER_DELAY = 6.0  # the slow tier answers this late (> LOOKUP_TIMEOUT)
-L2_BACKOFF = 5.0  # lookups.py: the first skip of L2 after a slow tier
+TIER_DELAY = 30.0  # the slow tier would answer this late (disarmed long before)
+L2_BACKOFF = 60.0  # skip L2 this long after the slow tier (lookups.py: 5 s, doubling):
+# longer than any prompt on a loaded machine, so "not delayed again" cannot race it
+RANK_STALL = 2 * RANK_TIMEOUT_S + 2.0  # the silent rank's one lookup: both the lookup and
+# the Release after it time out
 MAX_TOKENS = 6
-SLACK = 3.0  # seconds of CI noise allowed on top of a stated TTFT bound (2 shared cores)
+SLACK = 5.0  # seconds of CI noise on top of a stated TTFT bound (2 shared cores)
+SCHEDULER_SLACK = 0.5  # the same, for time measured inside vLLM's scheduler
 ENGINE = {"enforce_eager": True, "max_model_len": 4096, "dtype": "float32", "block_size": 32}
 
 
@@ -43,14 +47,19 @@ def documents():
 
 
 class Script:
-    """The connector engine's steps, each step's result found by a label."""
+    """The connector engine's steps, each step's result found by a label; `requests`
+    gives the engine's request numbers of a prompt step (vLLM counts them from 0)."""
 
     def __init__(self):
-        self.steps, self.labels = [], {}
+        self.steps, self.labels, self.requests = [], {}, {}
+        self._next = 0
 
-    def prompts(self, label, *names):
+    def prompts(self, label, *names, batch=False):
         self.labels[label] = len(self.steps)
-        self.steps.append({"prompts": [DOCS[n] for n in names], "names": list(names)})
+        self.requests[label] = list(range(self._next, self._next + len(names)))
+        self._next += len(names)
+        self.steps.append({"prompts": [DOCS[n] for n in names], "names": list(names),
+                           "batch": batch})
 
     def call(self, label, fn, **kwargs):
         self.labels[label] = len(self.steps)
@@ -76,13 +85,20 @@ def run(tmp_path, name, model, steps, *, connector, extra=None, connector_class=
     spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     tests_dir = os.path.dirname(os.path.abspath(__file__))
+    sched_log = tmp_path / f"{name}.scheduler.jsonl"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONHASHSEED="0",
                VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
-               PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
+               **{faults.SCHEDULER_LOG: str(sched_log)})
     proc = run_group([sys.executable, "-P", "-m", "gemma4_kv.harness", str(spec_path),
                       str(out_path)], env=env, timeout=900)
+    (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
-    return json.loads(out_path.read_text()), proc.stderr
+    lookups = {}
+    for line in sched_log.read_text().splitlines() if sched_log.exists() else ():
+        e = json.loads(line)
+        lookups.setdefault(int(e["req"].split("-")[0]), []).append(e)
+    return json.loads(out_path.read_text()), lookups
 
 
 def fault_script(disk: str) -> Script:
@@ -123,22 +139,19 @@ def fault_script(disk: str) -> Script:
     s.unfault("read_raises", "read_raises")
     s.call("read_raises:wait", "sleep", seconds=faults.RANK_BACKOFF_S + 0.5)
     s.prompts("read_raises:again", "D")
-    # -- a rank that does not answer a lookup in time ----------------------------------
-    s.fault("silent", "silent_rank")
-    s.prompts("silent", "D")
-    s.call("silent:snap1", "snapshot")
-    s.prompts("silent:backoff", "D")
-    s.call("silent:snap2", "snapshot")
+    # -- a rank that does not answer a lookup in time: D stalls it, E (on disk only)
+    # comes during the scheduler's backoff ----------------------------------------------
+    s.fault("silent", "silent_rank", stall=RANK_STALL)
+    s.prompts("silent", "D", "E", batch=True)
     s.unfault("silent", "silent_rank")
-    s.call("silent:wait", "sleep", seconds=faults.RANK_BACKOFF_S + 0.5)
+    s.call("silent:wait", "sleep", seconds=RANK_STALL - 2 * RANK_TIMEOUT_S + 0.5)
     s.prompts("silent:again", "D")
     # -- an L2 tier slower than the lookup timeout ------------------------------------
     s.call("drop3", "drop_l1")
-    s.fault("slow", "slow_tier", delay=TIER_DELAY)
+    s.fault("slow", "slow_tier", delay=TIER_DELAY, l2_backoff=L2_BACKOFF)
     s.prompts("slow", "E")
     s.prompts("slow:backoff", "A")
-    s.unfault("slow", "slow_tier")  # returns once every held answer was given
-    s.call("slow:wait", "sleep", seconds=1.0)  # the L2 backoff began a little later
+    s.unfault("slow", "slow_tier")  # the tier answers again, its backoff ends
     s.prompts("slow:again", "A")
     # -- the CPU tier full during saves (and for objects coming up from disk) ----------
     s.fault("full", "store_full", leave=1)
@@ -163,11 +176,11 @@ def runs(tmp_path_factory):
     extra = {"lookup_timeout_s": LOOKUP_TIMEOUT, "l2_adapters": [
         {"type": "fault_inject", "rate": 0.0,
          "inner": {"type": "fs_native", "base_path": disk, "num_workers": 2}}]}
-    out, log = run(tmp, "faults", model, script.steps, connector=True, extra=extra,
-                   connector_class="FaultsConnector")
+    out, lookups = run(tmp, "faults", model, script.steps, connector=True, extra=extra,
+                       connector_class="FaultsConnector")
     base, _ = run(tmp, "base", model, [{"prompts": list(DOCS.values())}], connector=False)
     reference = dict(zip(DOCS, (zip(base["outputs"], base["ttft"]))))
-    return script, out, reference, log
+    return script, out, reference, lookups
 
 
 def step(runs, label):
@@ -186,6 +199,18 @@ def cached(runs, label):
 
 def ttft(runs, label):
     return step(runs, label)["ttft"]
+
+
+def in_scheduler(runs, label):
+    """Per request of a step: (get_num_new_matched_tokens calls, seconds vLLM's scheduler
+    spent in them, seconds from the first call to the last one's answer)."""
+    script, _, _, lookups = runs
+    out = []
+    for r in script.requests[label]:
+        calls = lookups[r]
+        span = calls[-1]["t"] + calls[-1]["seconds"] - calls[0]["t"]
+        out.append((len(calls), sum(c["seconds"] for c in calls), span))
+    return out
 
 
 def test_every_request_answered_with_the_tokens_of_recomputation(runs):
@@ -274,34 +299,41 @@ def test_read_that_raises_is_a_miss_and_leaks_no_lock(runs):
 
 
 def test_silent_rank_is_a_miss_then_lookups_pause_then_resume(runs):
-    """The rank sleeps RANK_TIMEOUT_S + 1 s in one lookup: that request is a miss after
-    about RANK_TIMEOUT_S (bound: stall + its recomputation + slack); the next one is not
-    asked at all (the scheduler's backoff); after the backoff D hits again."""
+    """The rank sleeps RANK_STALL s in D's lookup. vLLM's scheduler is held up for at most
+    the lookup's and the Release's timeouts (bound: 2 x RANK_TIMEOUT_S), D is a miss
+    (TTFT bound: that + its recomputation + slack); E, in the same batch, is not asked
+    (the scheduler's backoff: a miss in no time, though E is on disk); once the backoff
+    is over and the rank answers again, D hits."""
     _, _, reference, _ = runs
     assert result(runs, "silent:disarm")["fired"] == 1
-    assert cached(runs, "silent") == [0]
-    (t,) = ttft(runs, "silent")
-    assert RANK_TIMEOUT_S <= t <= RANK_TIMEOUT_S + 1.0 + reference["D"][1] + SLACK
-    lookups = result(runs, "silent:snap1")["counters"]["lookups"]
-    assert cached(runs, "silent:backoff") == [0]
-    assert result(runs, "silent:snap2")["counters"]["lookups"] == lookups  # not asked
+    assert cached(runs, "silent") == [0, 0]
+    (_, stalled, _), (_, skipped, _) = in_scheduler(runs, "silent")
+    assert RANK_TIMEOUT_S <= stalled <= 2 * RANK_TIMEOUT_S + SCHEDULER_SLACK
+    assert skipped < 0.05
+    t = ttft(runs, "silent")[0]
+    assert RANK_TIMEOUT_S <= t <= 2 * RANK_TIMEOUT_S + reference["D"][1] + SLACK
     assert cached(runs, "silent:again") == [FULL]
 
 
 def test_slow_tier_bounded_ttft_no_hit_and_backoff(runs):
-    """The disk tier answers lookups TIER_DELAY s late. E (only on disk) waits for its
-    lookup's timeout, no longer (bound: LOOKUP_TIMEOUT + its recomputation + slack), and
-    is a miss; A right after is not delayed again (no L2 prefetch during the backoff);
-    once the backoff is over, A hits from disk."""
+    """The disk tier answers lookups TIER_DELAY s late. E (only on disk) is a miss after
+    its lookup's timeout: vLLM asks again each step meanwhile (bound on the span: the
+    timeout + slack; TTFT bound: the timeout + recomputation + slack, far below
+    TIER_DELAY). A right after is not delayed again: one call, no L2 prefetch (the L2
+    backoff). Once the tier is back and the backoff over, A hits from disk."""
     _, _, reference, _ = runs
     assert result(runs, "drop3")["after"] == 0
     state = result(runs, "slow:disarm")
     assert state["held"] >= 1 and state["prefetches"] == 1
+    assert state["l2_backoff_left"] > 0  # A came while lookups skipped L2
     assert cached(runs, "slow") == [0]
+    ((calls, _, span),) = in_scheduler(runs, "slow")
+    assert calls > 1 and LOOKUP_TIMEOUT <= span <= LOOKUP_TIMEOUT + SCHEDULER_SLACK
     (t,) = ttft(runs, "slow")
-    assert LOOKUP_TIMEOUT <= t <= LOOKUP_TIMEOUT + reference["E"][1] + SLACK
-    assert t < TIER_DELAY
+    assert LOOKUP_TIMEOUT <= t <= LOOKUP_TIMEOUT + reference["E"][1] + SLACK < TIER_DELAY
     assert cached(runs, "slow:backoff") == [0]
+    ((calls, blocked, _),) = in_scheduler(runs, "slow:backoff")
+    assert calls == 1 and blocked < 0.05
     assert cached(runs, "slow:again") == [FULL]
 
 
