@@ -32,7 +32,8 @@ default, too long to wait for in CI)."""
 
 SCHEDULER_LOG = "GEMMA4_KV_FAULTS_SCHEDULER_LOG"
 """Environment variable: a file where `FaultsConnector` appends one JSON line per
-`get_num_new_matched_tokens` call (request, wall time, seconds it took, answer)."""
+`get_num_new_matched_tokens` call (request, wall time, seconds it took, answer, and how
+many requests the scheduler half keeps state for)."""
 
 
 class FaultsConnector(Gemma4KVConnector):
@@ -53,7 +54,8 @@ class FaultsConnector(Gemma4KVConnector):
             with open(self._faults_log, "a") as f:
                 f.write(json.dumps({"req": request.request_id, "t": wall,
                                     "seconds": time.perf_counter() - t0,
-                                    "tokens": answer[0]}) + "\n")
+                                    "tokens": answer[0],
+                                    "tracked": len(self._scheduler._requests)}) + "\n")
         return answer
 
 
@@ -113,9 +115,11 @@ def snapshot(worker, disk: str | None = None) -> dict:
         locked_bytes = sum(e.memory_obj.get_size() for e in l1._objects.values()
                            if e.read_lock.is_locked())
     used, total = store.usage()
+    me = psutil.Process()
     out = {
         "pid": os.getpid(),
-        "rss": psutil.Process().memory_info().rss,
+        "rss": me.memory_info().rss,
+        "parent_rss": me.parent().memory_info().rss,  # vLLM's engine core (the scheduler)
         "l1_used": used, "l1_total": total,
         "objects": status["total_object_count"] - status["staging_object_count"],
         "read_locked": status["read_locked_count"], "read_locked_bytes": locked_bytes,
@@ -133,29 +137,66 @@ def snapshot(worker, disk: str | None = None) -> dict:
     return out
 
 
-def drop_l1(worker) -> dict:
-    """Empty the CPU tier (what a fresh engine has); nothing may be pinned now."""
+def rss(worker) -> dict:
+    """RSS of this worker and of its parent (vLLM's engine core); needs no connector, so
+    a recomputation engine can be measured alike."""
+    import psutil
+
+    me = psutil.Process()
+    return {"rss": me.memory_info().rss, "parent_rss": me.parent().memory_info().rss,
+            "parent": me.parent().name()}
+
+
+def drop_l1(worker, timeout: float = 30.0) -> dict:
+    """Empty the CPU tier (what a fresh engine has). Waits first until nothing is
+    read-locked: no request is in flight between steps, but LMCache holds objects it is
+    still writing to an L2 tier (a server that was frozen) until those writes end."""
     store = _worker().store
-    store.poll()
-    before = _l1(store).report_status()
+    t0 = time.monotonic()
+    while True:
+        store.poll()
+        before = _l1(store).report_status()
+        if not before["read_locked_count"] or time.monotonic() > t0 + timeout:
+            break
+        time.sleep(0.05)
     store._sm.clear(force=False)
     after = _l1(store).report_status()
     return {"before": before["total_object_count"], "after": after["total_object_count"],
-            "read_locked": after["read_locked_count"]}
+            "read_locked": after["read_locked_count"],
+            "waited": round(time.monotonic() - t0, 2)}
 
 
-def wait_l2(worker, disk: str, timeout: float = 60.0) -> int:
-    """Wait until LMCache has written every CPU-tier object to the disk tier (its stores
-    are asynchronous); the number of files."""
+def wait_l2(worker, disk: str | None = None, port: int | None = None,
+            timeout: float = 60.0) -> int:
+    """Wait until LMCache has written every CPU-tier object to the L2 tier (its stores are
+    asynchronous): the disk tier's files, or a Redis-protocol server's keys on `port`;
+    how many there are."""
     store = _worker().store
     deadline = time.monotonic() + timeout
     while True:
         want = _l1(store).report_status()["total_object_count"]
-        files = [p for p in Path(disk).rglob("*") if p.is_file() and p.stat().st_size > 0]
-        if len(files) >= want or time.monotonic() > deadline:
+        have = _server_keys(port) if port else len(
+            [p for p in Path(disk).rglob("*") if p.is_file() and p.stat().st_size > 0])
+        if have >= want or time.monotonic() > deadline:
             time.sleep(0.3)  # let the last writes close their files
-            return len(files)
+            return have
         time.sleep(0.05)
+
+
+def _server_keys(port: int) -> int:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+        s.sendall(b"DBSIZE\r\n")
+        return int(s.recv(64).strip().lstrip(b":"))
+
+
+def signal(worker, pid: int, name: str) -> str:
+    """Send a signal to another process (SIGSTOP / SIGCONT a tier's server mid-run)."""
+    import signal as signals
+
+    os.kill(pid, getattr(signals, name))
+    return name
 
 
 def damage(worker, disk: str, victims: list[dict]) -> list[str]:
@@ -355,14 +396,8 @@ def _inner_adapter(w):
 def _arm_slow_tier(w, state):
     """Each lookup answer of the (inner) L2 adapter is held back until `delay` seconds
     after LMCache first asked for it, or until the fault is disarmed (the tier is back);
-    a timer then wakes LMCache's prefetch loop to ask again. With `l2_backoff`, the
-    lookups' first skip of L2 after a slow tier lasts that long (5 s by default: a
-    loaded CI machine can outlast it between two prompts); disarm ends it, as its time
-    running out would."""
+    a timer then wakes LMCache's prefetch loop to ask again."""
     adapter = _inner_adapter(w)
-    backoff = w.lookups._backoff
-    state["l2_backoff_was"] = backoff.delay
-    backoff.delay = state.get("l2_backoff", backoff.delay)
     delay = state["delay"]
     first_asked: dict = {}
     state["timers"], state["held"] = [], 0
@@ -398,9 +433,22 @@ def _disarm_slow_tier(w, state):
     _inner_adapter(w)._lookup_efd.notify()
     time.sleep(0.5)
     _undo(w, state)
+
+
+# not a fault: the lookups' skip of L2 after a slow tier made to last `seconds`
+def _arm_long_l2_backoff(w, state):
+    """The first skip lasts 5 s by default: a loaded CI machine can outlast it between
+    two prompts. Disarm ends it, as its time running out would, and says how much of it
+    was left (so a test can show a request came while it held)."""
     backoff = w.lookups._backoff
-    state["l2_backoff_left"] = max(0.0, backoff.until - time.monotonic())
-    backoff.until, backoff.delay = time.monotonic(), state["l2_backoff_was"]
+    state["was"] = backoff.delay
+    backoff.delay = state["seconds"]
+
+
+def _disarm_long_l2_backoff(w, state):
+    backoff = w.lookups._backoff
+    state["left"] = max(0.0, backoff.until - time.monotonic())
+    backoff.until, backoff.delay = time.monotonic(), state["was"]
 
 
 # a worker rank that does not answer a lookup within the scheduler's RANK_TIMEOUT_S
@@ -453,6 +501,7 @@ FAULTS = {
     "read_raises": (_arm_read_raises, _undo),
     "l2_load_fails": (_arm_l2_load_fails, _disarm_l2_load_fails),
     "slow_tier": (_arm_slow_tier, _disarm_slow_tier),
+    "long_l2_backoff": (_arm_long_l2_backoff, _disarm_long_l2_backoff),
     "silent_rank": (_arm_silent_rank, _disarm_silent_rank),
     "store_full": (_arm_store_full, _disarm_store_full),
 }

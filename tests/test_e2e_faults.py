@@ -2,10 +2,12 @@
 
 One connector engine goes through a script of faults, each its own case, injected into
 the running engine (tests/faults.py through collective_rpc) or into its disk tier
-(LMCache `fs_native` under LMCache's `fault_inject` adapter). One recomputation engine
-(no connector) answers the same prompts. For every case: every request is answered,
-its tokens are those of recomputation, and the cached counts (or what the fault
-recorded) show that the fault was on the request's path.
+(LMCache `fs_native` under LMCache's `fault_inject` adapter); a second one has a real
+Valkey/Redis server as its tier and the server is frozen mid-run. One recomputation
+engine (no connector) answers the same prompts. For every case: every request is
+answered, its tokens are those of recomputation, and the cached counts (or what the
+fault recorded) show that the fault was on the request's path. Time bounds are
+measured inside vLLM's scheduler (`faults.FaultsConnector`), TTFT bounds are looser.
 """
 
 from __future__ import annotations
@@ -148,10 +150,12 @@ def fault_script(disk: str) -> Script:
     s.prompts("silent:again", "D")
     # -- an L2 tier slower than the lookup timeout ------------------------------------
     s.call("drop3", "drop_l1")
-    s.fault("slow", "slow_tier", delay=TIER_DELAY, l2_backoff=L2_BACKOFF)
+    s.fault("slow", "slow_tier", delay=TIER_DELAY)
+    s.fault("slow:backoff", "long_l2_backoff", seconds=L2_BACKOFF)
     s.prompts("slow", "E")
     s.prompts("slow:backoff", "A")
-    s.unfault("slow", "slow_tier")  # the tier answers again, its backoff ends
+    s.unfault("slow", "slow_tier")  # the tier answers again
+    s.unfault("slow:backoff", "long_l2_backoff")  # and its backoff ends
     s.prompts("slow:again", "A")
     # -- the CPU tier full during saves (and for objects coming up from disk) ----------
     s.fault("full", "store_full", leave=1)
@@ -168,9 +172,21 @@ def fault_script(disk: str) -> Script:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def model(tmp_path_factory):
+    return save_config(tiny_gemma4_config(window=100), tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory):
+    """Every document once, recomputed (no connector): {name: (tokens, TTFT)}."""
+    tmp = tmp_path_factory.mktemp("base")
+    base, _ = run(tmp, "base", model, [{"prompts": list(DOCS.values())}], connector=False)
+    return dict(zip(DOCS, (zip(base["outputs"], base["ttft"]))))
+
+
+@pytest.fixture(scope="module")
+def runs(model, reference, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
-    model = save_config(tiny_gemma4_config(window=100), tmp / "model")
     disk = str(tmp / "disk")
     script = fault_script(disk)
     extra = {"lookup_timeout_s": LOOKUP_TIMEOUT, "l2_adapters": [
@@ -178,8 +194,6 @@ def runs(tmp_path_factory):
          "inner": {"type": "fs_native", "base_path": disk, "num_workers": 2}}]}
     out, lookups = run(tmp, "faults", model, script.steps, connector=True, extra=extra,
                        connector_class="FaultsConnector")
-    base, _ = run(tmp, "base", model, [{"prompts": list(DOCS.values())}], connector=False)
-    reference = dict(zip(DOCS, (zip(base["outputs"], base["ttft"]))))
     return script, out, reference, lookups
 
 
@@ -325,7 +339,7 @@ def test_slow_tier_bounded_ttft_no_hit_and_backoff(runs):
     assert result(runs, "drop3")["after"] == 0
     state = result(runs, "slow:disarm")
     assert state["held"] >= 1 and state["prefetches"] == 1
-    assert state["l2_backoff_left"] > 0  # A came while lookups skipped L2
+    assert result(runs, "slow:backoff:disarm")["left"] > 0  # A came while L2 was skipped
     assert cached(runs, "slow") == [0]
     ((calls, _, span),) = in_scheduler(runs, "slow")
     assert calls > 1 and LOOKUP_TIMEOUT <= span <= LOOKUP_TIMEOUT + SCHEDULER_SLACK
@@ -354,3 +368,75 @@ def test_no_pin_reservation_or_prefetch_outlives_the_faults(runs):
     assert snap["read_locked"] == 0 and snap["write_locked"] == 0 and snap["staging"] == 0
     assert snap["reserved"] == 0 and snap["hits"] == 0 and snap["pending"] == 0
     assert snap["saves_pending"] == 0
+
+
+# -- a real remote tier frozen mid-run ------------------------------------------------------
+VALKEY_TIMEOUT = 4.0  # the valkey client's request_timeout: longer than LOOKUP_TIMEOUT
+
+
+def frozen_script(pid: int, port: int) -> Script:
+    s = Script()
+    s.prompts("cold", "A", "B")
+    s.call("count", "count_stats")
+    s.call("stored", "wait_l2", port=port)
+    s.call("drop1", "drop_l1")
+    s.fault("backoff", "long_l2_backoff", seconds=L2_BACKOFF)
+    s.call("stop", "signal", pid=pid, name="SIGSTOP")
+    s.prompts("frozen", "A")
+    s.prompts("frozen:backoff", "B")
+    s.call("frozen:snap", "snapshot")  # (the saves' objects are read-locked meanwhile)
+    s.call("cont", "signal", pid=pid, name="SIGCONT")
+    s.unfault("backoff", "long_l2_backoff")
+    s.call("drop2", "drop_l1")
+    s.prompts("thawed", "B")
+    s.call("final", "snapshot")
+    return s
+
+
+@pytest.fixture(scope="module")
+def frozen(model, reference, tmp_path_factory):
+    from tier_servers import TierServer, require_server
+
+    tmp = tmp_path_factory.mktemp("frozen")
+    server = TierServer(require_server(), workdir=tmp / "server").start()
+    try:
+        script = frozen_script(server.proc.pid, server.port)
+        extra = {"lookup_timeout_s": LOOKUP_TIMEOUT, "l2_adapters": [server.valkey_spec(
+            request_timeout=VALKEY_TIMEOUT, connection_timeout=1.0)]}
+        out, lookups = run(tmp, "frozen", model, script.steps, connector=True, extra=extra,
+                           connector_class="FaultsConnector")
+        keys = len(server.keys())
+    finally:
+        server.kill()
+    return script, out, reference, lookups, keys
+
+
+def test_frozen_valkey_server_bounded_ttft_no_hit_then_serves_again(frozen):
+    """A real Valkey/Redis server (LMCache's valkey adapter) is frozen with SIGSTOP while
+    A and B sit only in it. A's lookup gives up after LOOKUP_TIMEOUT (the client would
+    wait VALKEY_TIMEOUT): a miss, scheduler span and TTFT bounded as for the slow tier;
+    B right after is not asked of the tier; A's and B's saves meanwhile do not hold the
+    engine up (LMCache keeps their objects read-locked while it writes them to the frozen
+    server, until the client's timeout). After SIGCONT (and the backoff's end), with a
+    fresh CPU tier, B hits from the server again."""
+    script, out, reference, lookups, keys = frozen
+    runs = (script, out, reference, lookups)
+    assert cached(runs, "cold") == [0, 0]
+    assert result(runs, "stored") > 0 and result(runs, "drop1")["after"] == 0
+    assert step(runs, "frozen")["outputs"] == [reference["A"][0]]
+    assert step(runs, "frozen:backoff")["outputs"] == [reference["B"][0]]
+    assert step(runs, "thawed")["outputs"] == [reference["B"][0]]
+    assert cached(runs, "frozen") == [0] and cached(runs, "frozen:backoff") == [0]
+    ((calls, _, span),) = in_scheduler(runs, "frozen")
+    assert calls > 1 and LOOKUP_TIMEOUT <= span <= LOOKUP_TIMEOUT + SCHEDULER_SLACK
+    (t,) = ttft(runs, "frozen")
+    assert LOOKUP_TIMEOUT <= t <= LOOKUP_TIMEOUT + reference["A"][1] + SLACK
+    ((calls, blocked, _),) = in_scheduler(runs, "frozen:backoff")
+    assert calls == 1 and blocked < 0.05
+    assert result(runs, "backoff:disarm")["left"] > 0
+    assert result(runs, "drop2")["after"] == 0
+    assert cached(runs, "thawed") == [FULL]
+    snap = result(runs, "final")
+    assert snap["counters"]["hit_tokens_l2"] == FULL  # B came from the server
+    assert snap["read_locked"] == 0 and snap["hits"] == 0 and snap["pending"] == 0
+    assert keys >= result(runs, "stored")
