@@ -200,17 +200,25 @@ class ChunkStore:
         (`prefix`, the hashes from chunk 0, is for stores that key by it: not this one.)"""
         chunk_keys = list(chunk_keys)
         locked: list = []
+        pinned = None
+        try:
+            pinned = self._lock_and_view(chunk_keys, locked)
+            return pinned
+        finally:  # a miss, or a read that raised: none of its locks stays behind
+            if pinned is None and locked:
+                self._sm.finish_read_prefetched(locked)
+
+    def _lock_and_view(self, chunk_keys: list[ChunkKey], locked: list) -> Pinned | None:
+        """`pin`'s work; adds every key it read-locks to `locked` as soon as it is."""
         for gid in self._groups:
             mine = [ck for ck in chunk_keys if ck[1] == gid]
             keys = [self.key(h, gid) for h, _ in mine]
             hits = self._l1_prefetch(gid, keys, lock=True)
             locked += [keys[i] for i in hits]
             if len(hits) != len(keys):
-                self._sm.finish_read_prefetched(locked)
                 return None
         keys = [self.key(h, g) for h, g in chunk_keys]
         if any(k in self._maybe_untrusted or k in self._bad for k in keys):
-            self._sm.finish_read_prefetched(locked)
             return None
         found = dict(zip(*self._sm.unsafe_read(keys)))
         views = {}
@@ -221,10 +229,9 @@ class ChunkStore:
                     or list(obj.get_dtypes()) != list(want.dtypes):
                 logger.warning("gemma4-kv: stored object for group %d is missing or has "
                                "another shape: treated as a miss", ck[1])
-                self._sm.finish_read_prefetched(locked)
                 return None
             views[ck] = obj.get_tensor(0)
-        return Pinned(locked, views)
+        return Pinned(list(locked), views)
 
     def release(self, pinned: Pinned | None) -> None:
         if pinned is not None and pinned.keys:

@@ -1,0 +1,442 @@
+"""Faults never kill the engine or change a token (real vLLM, CPU build).
+
+One connector engine goes through a script of faults, each its own case, injected into
+the running engine (tests/faults.py through collective_rpc) or into its disk tier
+(LMCache `fs_native` under LMCache's `fault_inject` adapter); a second one has a real
+Valkey/Redis server as its tier and the server is frozen mid-run. One recomputation
+engine (no connector) answers the same prompts. For every case: every request is
+answered, its tokens are those of recomputation, and the cached counts (or what the
+fault recorded) show that the fault was on the request's path. Time bounds are
+measured inside vLLM's scheduler (`faults.FaultsConnector`), TTFT bounds are looser.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+import pytest
+
+from e2e_common import run_group
+from gemma4_kv.harness import save_config, tiny_gemma4_config
+from gemma4_kv.scheduler import RANK_TIMEOUT_S
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+import faults  # noqa: E402  (tests/faults.py: the worker side of the faults)
+
+CHUNK = 256
+RETENTION = 512  # sliding-window chunks kept before hits ending at 512 and 1024
+FULL = 1024  # a 1100-token prompt's whole hit (4 chunks; one token is left to compute)
+LOOKUP_TIMEOUT = 1.0  # lookup_timeout_s: how long a lookup waits for the L2 tier
+TIER_DELAY = 30.0  # the slow tier would answer this late (disarmed long before)
+L2_BACKOFF = 60.0  # skip L2 this long after the slow tier (lookups.py: 5 s, doubling):
+# longer than any prompt on a loaded machine, so "not delayed again" cannot race it
+RANK_STALL = 2 * RANK_TIMEOUT_S + 2.0  # the silent rank's one lookup: both the lookup and
+# the Release after it time out
+MAX_TOKENS = 6
+SLACK = 5.0  # seconds of CI noise on top of a stated TTFT bound (2 shared cores)
+SCHEDULER_SLACK = 0.5  # the same, for time measured inside vLLM's scheduler
+ENGINE = {"enforce_eager": True, "max_model_len": 4096, "dtype": "float32", "block_size": 32}
+
+
+def documents():
+    rng = random.Random(1)
+    return {name: [rng.randrange(3, 500) for _ in range(1100)] for name in "ABCDEFG"}
+
+
+class Script:
+    """The connector engine's steps, each step's result found by a label; `requests`
+    gives the engine's request numbers of a prompt step (vLLM counts them from 0)."""
+
+    def __init__(self):
+        self.steps, self.labels, self.requests = [], {}, {}
+        self._next = 0
+
+    def prompts(self, label, *names, batch=False):
+        self.labels[label] = len(self.steps)
+        self.requests[label] = list(range(self._next, self._next + len(names)))
+        self._next += len(names)
+        self.steps.append({"prompts": [DOCS[n] for n in names], "names": list(names),
+                           "batch": batch})
+
+    def call(self, label, fn, **kwargs):
+        self.labels[label] = len(self.steps)
+        self.steps.append({"call": f"faults:{fn}", "kwargs": kwargs})
+
+    def fault(self, label, fault, **params):
+        self.call(f"{label}:arm", "arm", fault=fault, **params)
+
+    def unfault(self, label, fault):
+        self.call(f"{label}:disarm", "disarm", fault=fault)
+
+
+DOCS = documents()
+
+
+def run(tmp_path, name, model, steps, *, connector, extra=None, connector_class=None):
+    clean = [{k: v for k, v in s.items() if k != "names"} for s in steps]
+    spec = {"model": model, "connector": connector, "max_tokens": MAX_TOKENS,
+            "engine": ENGINE, "steps": clean,
+            "extra_config": {"cpu_gb": 0.25, "retention_interval": RETENTION, **(extra or {})}}
+    if connector_class:
+        spec.update(connector_class=connector_class, connector_module="faults")
+    spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    sched_log = tmp_path / f"{name}.scheduler.jsonl"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONHASHSEED="0",
+               VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
+               PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
+               **{faults.SCHEDULER_LOG: str(sched_log)})
+    proc = run_group([sys.executable, "-P", "-m", "gemma4_kv.harness", str(spec_path),
+                      str(out_path)], env=env, timeout=900)
+    (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    lookups = {}
+    for line in sched_log.read_text().splitlines() if sched_log.exists() else ():
+        e = json.loads(line)
+        lookups.setdefault(int(e["req"].split("-")[0]), []).append(e)
+    return json.loads(out_path.read_text()), lookups
+
+
+def fault_script(disk: str) -> Script:
+    s = Script()
+    s.prompts("cold", "A", "B", "C", "D", "E")
+    s.call("count", "count_stats")
+    s.call("flushed", "wait_l2", disk=disk)
+    # -- disk damage: a fresh CPU tier, three objects damaged on disk --------------------
+    s.call("drop1", "drop_l1")
+    s.call("damage", "damage", disk=disk, victims=[
+        {"tokens": DOCS["A"], "chunk": 2, "kind": "full", "how": "delete"},
+        {"tokens": DOCS["B"], "chunk": 1, "kind": "full", "how": "truncate"},
+        {"tokens": DOCS["C"], "chunk": 3, "kind": "sliding", "how": "flip"}])
+    s.prompts("damaged", "A", "B", "C", "D", "E")
+    s.call("after_damage", "snapshot", disk=disk)
+    # -- an L2 read that fails (fault_inject: found at lookup, the load fails) -----------
+    s.call("drop2", "drop_l1")
+    s.fault("l2fail", "l2_load_fails")
+    s.prompts("l2fail", "D")
+    s.unfault("l2fail", "l2_load_fails")
+    # -- evicted between the residency check and the pin ------------------------------
+    s.fault("before_pin", "evict_before_pin")
+    s.prompts("before_pin", "D")
+    s.unfault("before_pin", "evict_before_pin")
+    # -- evicted between the pin and the load, freed memory overwritten with NaN ---------
+    s.prompts("fill_l1", "E")
+    s.fault("after_pin", "evict_after_pin")
+    s.prompts("after_pin", "D")
+    s.unfault("after_pin", "evict_after_pin")
+    # -- a pin that finds nothing (every try of one lookup and its Repin) ---------------
+    s.fault("pin_fails", "pin_fails")
+    s.prompts("pin_fails", "D")
+    s.unfault("pin_fails", "pin_fails")
+    # -- LMCache's read raises after the pin took its read locks ------------------------
+    s.fault("read_raises", "read_raises")
+    s.prompts("read_raises", "D")
+    s.call("read_raises:snap", "snapshot")
+    s.unfault("read_raises", "read_raises")
+    s.call("read_raises:wait", "sleep", seconds=faults.RANK_BACKOFF_S + 0.5)
+    s.prompts("read_raises:again", "D")
+    # -- a rank that does not answer a lookup in time: D stalls it, E (on disk only)
+    # comes during the scheduler's backoff ----------------------------------------------
+    s.fault("silent", "silent_rank", stall=RANK_STALL)
+    s.prompts("silent", "D", "E", batch=True)
+    s.unfault("silent", "silent_rank")
+    s.call("silent:wait", "sleep", seconds=RANK_STALL - 2 * RANK_TIMEOUT_S + 0.5)
+    s.prompts("silent:again", "D")
+    # -- an L2 tier slower than the lookup timeout ------------------------------------
+    s.call("drop3", "drop_l1")
+    s.fault("slow", "slow_tier", delay=TIER_DELAY)
+    s.fault("slow:backoff", "long_l2_backoff", seconds=L2_BACKOFF)
+    s.prompts("slow", "E")
+    s.prompts("slow:backoff", "A")
+    s.unfault("slow", "slow_tier")  # the tier answers again
+    s.unfault("slow:backoff", "long_l2_backoff")  # and its backoff ends
+    s.prompts("slow:again", "A")
+    # -- the CPU tier full during saves (and for objects coming up from disk) ----------
+    s.fault("full", "store_full", leave=1)
+    s.prompts("full", "F", "F", "E")
+    s.call("full:snap", "snapshot")
+    s.unfault("full", "store_full")
+    s.prompts("full:after", "F", "F")
+    s.call("final", "snapshot", disk=disk)
+    # -- negative control: pins NOT honoured (force-evicted, memory overwritten) --------
+    s.fault("control", "evict_after_pin", force=True)
+    s.prompts("control", "G", "G")
+    s.unfault("control", "evict_after_pin")
+    return s
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return save_config(tiny_gemma4_config(window=100), tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory):
+    """Every document once, recomputed (no connector): {name: (tokens, TTFT)}."""
+    tmp = tmp_path_factory.mktemp("base")
+    base, _ = run(tmp, "base", model, [{"prompts": list(DOCS.values())}], connector=False)
+    return dict(zip(DOCS, (zip(base["outputs"], base["ttft"]))))
+
+
+@pytest.fixture(scope="module")
+def runs(model, reference, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("faults")
+    disk = str(tmp / "disk")
+    script = fault_script(disk)
+    extra = {"lookup_timeout_s": LOOKUP_TIMEOUT, "l2_adapters": [
+        {"type": "fault_inject", "rate": 0.0,
+         "inner": {"type": "fs_native", "base_path": disk, "num_workers": 2}}]}
+    out, lookups = run(tmp, "faults", model, script.steps, connector=True, extra=extra,
+                       connector_class="FaultsConnector")
+    return script, out, reference, lookups
+
+
+def step(runs, label):
+    script, out, _, _ = runs
+    return out["steps"][script.labels[label]]
+
+
+def result(runs, label):
+    (r,) = step(runs, label)["result"]  # one worker rank
+    return r
+
+
+def cached(runs, label):
+    return step(runs, label)["cached"]
+
+
+def ttft(runs, label):
+    return step(runs, label)["ttft"]
+
+
+def in_scheduler(runs, label):
+    """Per request of a step: (get_num_new_matched_tokens calls, seconds vLLM's scheduler
+    spent in them, seconds from the first call to the last one's answer)."""
+    script, _, _, lookups = runs
+    out = []
+    for r in script.requests[label]:
+        calls = lookups[r]
+        span = calls[-1]["t"] + calls[-1]["seconds"] - calls[0]["t"]
+        out.append((len(calls), sum(c["seconds"] for c in calls), span))
+    return out
+
+
+def test_every_request_answered_with_the_tokens_of_recomputation(runs):
+    script, out, reference, _ = runs
+    n, differing = 0, []
+    for label, i in script.labels.items():
+        names = script.steps[i].get("names")
+        if not names or label == "control":
+            continue
+        got = out["steps"][i]["outputs"]
+        assert len(got) == len(names) and all(len(t) == MAX_TOKENS for t in got), label
+        n += len(names)
+        differing += [(label, k, name) for k, (name, t) in enumerate(zip(names, got))
+                      if t != reference[name][0]]
+    assert not differing, f"tokens differ from recomputation: {differing}"
+    assert n == 28
+
+
+def test_negative_control_a_freed_pin_changes_tokens(runs):
+    """The comparison can fail: pins force-evicted and their memory overwritten with NaN
+    between the pin and the load must change the tokens of the hit."""
+    _, _, reference, _ = runs
+    state = result(runs, "control:disarm")
+    assert state["fired"] == 1 and state["flooded_objects"] > 0
+    first, second = step(runs, "control")["outputs"]
+    assert cached(runs, "control") == [0, FULL]
+    assert first == reference["G"][0] and second != reference["G"][0]
+
+
+def test_cold_prompts_stored_on_disk(runs):
+    assert cached(runs, "cold") == [0] * 5
+    assert result(runs, "flushed") > 0
+    assert result(runs, "drop1")["after"] == 0
+
+
+def test_damaged_disk_objects_are_misses_and_intact_ones_hit(runs):
+    """A: chunk 2's full-attention object deleted: the hit stops at 512. B: chunk 1's
+    truncated: no hit (a hit before 512 has no sliding windows stored). C: chunk 3's
+    sliding object with 64 bytes flipped: rejected by its checksum (and deleted from
+    disk), so no hit: LMCache's prefix fetch brought up only the windows the longest
+    prefix needs (chunk 3's); the hit at 512 would need chunk 1's, which no fetch asks
+    for (a hit lost, not a wrong one). D and E intact: whole hits from disk."""
+    assert len(result(runs, "damage")) == 3
+    assert cached(runs, "damaged") == [512, 0, 0, FULL, FULL]
+    snap = result(runs, "after_damage")
+    assert snap["counters"]["rejected_objects"] >= 1  # the flipped one, at least
+    assert snap["counters"]["hit_tokens_l2"] == 512 + 2 * FULL
+
+
+def test_l2_load_that_fails_is_a_miss(runs):
+    """fault_inject (rate 1): D is found on disk, every load of it fails. The same step
+    without the fault (D, fresh CPU tier, in "damaged") was a whole hit."""
+    assert result(runs, "drop2")["after"] == 0
+    assert cached(runs, "l2fail") == [0]
+
+
+def test_evicted_between_check_and_pin_is_a_miss(runs):
+    state = result(runs, "before_pin:disarm")
+    assert state["fired"] == 1 and state["evicted"] > 0 and state["kept_locked"] == 0
+    assert cached(runs, "before_pin") == [0]
+
+
+def test_pinned_objects_survive_eviction_and_overwritten_free_memory(runs):
+    """After the pin, everything unpinned is evicted (E and D's unpinned windows) and all
+    free memory filled with NaN: the load reads only pinned objects."""
+    assert cached(runs, "fill_l1") == [FULL]
+    state = result(runs, "after_pin:disarm")
+    assert state["fired"] == 1 and state["evicted"] > 0 and state["kept_locked"] > 0
+    assert state["flooded_objects"] > 0
+    assert cached(runs, "after_pin") == [FULL]
+
+
+def test_pin_that_finds_nothing_is_a_miss(runs):
+    state = result(runs, "pin_fails:disarm")
+    assert state["fired"] >= 2  # the lookup's candidates, then the scheduler's Repin
+    assert cached(runs, "pin_fails") == [0]
+
+
+def test_read_that_raises_is_a_miss_and_leaks_no_lock(runs):
+    state = result(runs, "read_raises:disarm")
+    assert state["fired"] == 1
+    assert cached(runs, "read_raises") == [0]
+    snap = result(runs, "read_raises:snap")
+    assert snap["read_locked"] == 0 and snap["hits"] == 0
+    assert cached(runs, "read_raises:again") == [FULL]  # after the scheduler's backoff
+
+
+def test_silent_rank_is_a_miss_then_lookups_pause_then_resume(runs):
+    """The rank sleeps RANK_STALL s in D's lookup. vLLM's scheduler is held up for at most
+    the lookup's and the Release's timeouts (bound: 2 x RANK_TIMEOUT_S), D is a miss
+    (TTFT bound: that + its recomputation + slack); E, in the same batch, is not asked
+    (the scheduler's backoff: a miss in no time, though E is on disk); once the backoff
+    is over and the rank answers again, D hits."""
+    _, _, reference, _ = runs
+    assert result(runs, "silent:disarm")["fired"] == 1
+    assert cached(runs, "silent") == [0, 0]
+    (_, stalled, _), (_, skipped, _) = in_scheduler(runs, "silent")
+    assert RANK_TIMEOUT_S <= stalled <= 2 * RANK_TIMEOUT_S + SCHEDULER_SLACK
+    assert skipped < 0.05
+    t = ttft(runs, "silent")[0]
+    assert RANK_TIMEOUT_S <= t <= 2 * RANK_TIMEOUT_S + reference["D"][1] + SLACK
+    assert cached(runs, "silent:again") == [FULL]
+
+
+def test_slow_tier_bounded_ttft_no_hit_and_backoff(runs):
+    """The disk tier answers lookups TIER_DELAY s late. E (only on disk) is a miss after
+    its lookup's timeout: vLLM asks again each step meanwhile (bound on the span: the
+    timeout + slack; TTFT bound: the timeout + recomputation + slack, far below
+    TIER_DELAY). A right after is not delayed again: one call, no L2 prefetch (the L2
+    backoff). Once the tier is back and the backoff over, A hits from disk."""
+    _, _, reference, _ = runs
+    assert result(runs, "drop3")["after"] == 0
+    state = result(runs, "slow:disarm")
+    assert state["held"] >= 1 and state["prefetches"] == 1
+    assert result(runs, "slow:backoff:disarm")["left"] > 0  # A came while L2 was skipped
+    assert cached(runs, "slow") == [0]
+    ((calls, _, span),) = in_scheduler(runs, "slow")
+    assert calls > 1 and LOOKUP_TIMEOUT <= span <= LOOKUP_TIMEOUT + SCHEDULER_SLACK
+    (t,) = ttft(runs, "slow")
+    assert LOOKUP_TIMEOUT <= t <= LOOKUP_TIMEOUT + reference["E"][1] + SLACK < TIER_DELAY
+    assert cached(runs, "slow:backoff") == [0]
+    ((calls, blocked, _),) = in_scheduler(runs, "slow:backoff")
+    assert calls == 1 and blocked < 0.05
+    assert cached(runs, "slow:again") == [FULL]
+
+
+def test_full_store_saves_nothing_leaks_nothing_then_recovers(runs):
+    armed = result(runs, "full:arm")
+    assert armed["filled"] > 0
+    assert cached(runs, "full") == [0, 0, 0]  # F not stored; E on disk, no room in L1
+    snap = result(runs, "full:snap")
+    assert snap["l1_used"] == armed["used"]  # a partial reservation was given back
+    assert snap["write_locked"] == armed["filled"] and snap["reserved"] == 0
+    state = result(runs, "full:disarm")
+    assert state["used_after_release"] < state["used_before_release"]
+    assert cached(runs, "full:after") == [0, FULL]
+
+
+def test_no_pin_reservation_or_prefetch_outlives_the_faults(runs):
+    snap = result(runs, "final")
+    assert snap["read_locked"] == 0 and snap["write_locked"] == 0 and snap["staging"] == 0
+    assert snap["reserved"] == 0 and snap["hits"] == 0 and snap["pending"] == 0
+    assert snap["saves_pending"] == 0
+
+
+# -- a real remote tier frozen mid-run ------------------------------------------------------
+VALKEY_TIMEOUT = 4.0  # the valkey client's request_timeout: longer than LOOKUP_TIMEOUT
+
+
+def frozen_script(pid: int, port: int) -> Script:
+    s = Script()
+    s.prompts("cold", "A", "B")
+    s.call("count", "count_stats")
+    s.call("stored", "wait_l2", port=port)
+    s.call("drop1", "drop_l1")
+    s.fault("backoff", "long_l2_backoff", seconds=L2_BACKOFF)
+    s.call("stop", "signal", pid=pid, name="SIGSTOP")
+    s.prompts("frozen", "A")
+    s.prompts("frozen:backoff", "B")
+    s.call("frozen:snap", "snapshot")  # (the saves' objects are read-locked meanwhile)
+    s.call("cont", "signal", pid=pid, name="SIGCONT")
+    s.unfault("backoff", "long_l2_backoff")
+    s.call("drop2", "drop_l1")
+    s.prompts("thawed", "B")
+    s.call("final", "snapshot")
+    return s
+
+
+@pytest.fixture(scope="module")
+def frozen(model, reference, tmp_path_factory):
+    from tier_servers import TierServer, require_server
+
+    tmp = tmp_path_factory.mktemp("frozen")
+    server = TierServer(require_server(), workdir=tmp / "server").start()
+    try:
+        script = frozen_script(server.proc.pid, server.port)
+        extra = {"lookup_timeout_s": LOOKUP_TIMEOUT, "l2_adapters": [server.valkey_spec(
+            request_timeout=VALKEY_TIMEOUT, connection_timeout=1.0)]}
+        out, lookups = run(tmp, "frozen", model, script.steps, connector=True, extra=extra,
+                           connector_class="FaultsConnector")
+        keys = len(server.keys())
+    finally:
+        server.kill()
+    return script, out, reference, lookups, keys
+
+
+def test_frozen_valkey_server_bounded_ttft_no_hit_then_serves_again(frozen):
+    """A real Valkey/Redis server (LMCache's valkey adapter) is frozen with SIGSTOP while
+    A and B sit only in it. A's lookup gives up after LOOKUP_TIMEOUT (the client would
+    wait VALKEY_TIMEOUT): a miss, scheduler span and TTFT bounded as for the slow tier;
+    B right after is not asked of the tier; A's and B's saves meanwhile do not hold the
+    engine up (LMCache keeps their objects read-locked while it writes them to the frozen
+    server, until the client's timeout). After SIGCONT (and the backoff's end), with a
+    fresh CPU tier, B hits from the server again."""
+    script, out, reference, lookups, keys = frozen
+    runs = (script, out, reference, lookups)
+    assert cached(runs, "cold") == [0, 0]
+    assert result(runs, "stored") > 0 and result(runs, "drop1")["after"] == 0
+    assert step(runs, "frozen")["outputs"] == [reference["A"][0]]
+    assert step(runs, "frozen:backoff")["outputs"] == [reference["B"][0]]
+    assert step(runs, "thawed")["outputs"] == [reference["B"][0]]
+    assert cached(runs, "frozen") == [0] and cached(runs, "frozen:backoff") == [0]
+    ((calls, _, span),) = in_scheduler(runs, "frozen")
+    assert calls > 1 and LOOKUP_TIMEOUT <= span <= LOOKUP_TIMEOUT + SCHEDULER_SLACK
+    (t,) = ttft(runs, "frozen")
+    assert LOOKUP_TIMEOUT <= t <= LOOKUP_TIMEOUT + reference["A"][1] + SLACK
+    ((calls, blocked, _),) = in_scheduler(runs, "frozen:backoff")
+    assert calls == 1 and blocked < 0.05
+    assert result(runs, "backoff:disarm")["left"] > 0
+    assert result(runs, "drop2")["after"] == 0
+    assert cached(runs, "thawed") == [FULL]
+    snap = result(runs, "final")
+    assert snap["counters"]["hit_tokens_l2"] == FULL  # B came from the server
+    assert snap["read_locked"] == 0 and snap["hits"] == 0 and snap["pending"] == 0
+    assert keys >= result(runs, "stored")
