@@ -1,10 +1,11 @@
 """The demo: a Gemma 4-shaped model in vLLM with the connector, a long prompt twice.
 
-    gemma4-kv demo [--model CHECKPOINT_DIR] [--tokens 2048]
+    gemma4-kv demo [--model CHECKPOINT_DIR] [--tokens 2048] [--shared]
 
 Without `--model` it builds a small random-weight Gemma 4 (5 sliding : 1 full layers,
 head dims 64 / 128, a window smaller than the prompt, KV-shared last layers). It uses
 the GPU and the Triton kernels when one is present, vLLM's CPU build otherwise.
+`--shared` runs two engines against one shared store instead (`demo_shared.py`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", help="a Gemma 4 checkpoint directory (default: random weights)")
     p.add_argument("--tokens", type=int, default=2048, help="length of the long prompt")
     p.add_argument("--cpu-gb", type=float, default=1.0, help="size of the CPU store")
+    p.add_argument("--shared", action="store_true",
+                   help="two engines, one after the other, sharing one store")
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -78,11 +81,28 @@ def main(argv=None) -> int:
 
     from .harness import connector_config, shim_kwargs
 
+    if args.shared:
+        from .demo_shared import run
+        from .hf_layout import load_text_config
+
+        vocab = load_text_config(model).vocab_size
+        rng = random.Random(0)
+        long_prompt = [rng.randrange(3, vocab) for _ in range(args.tokens)]
+        shared = long_prompt[: args.tokens * 5 // 8] + [rng.randrange(3, vocab)
+                                                        for _ in range(300)]
+        engine = {"enforce_eager": True, "max_model_len": args.tokens + 1024,
+                  "dtype": "bfloat16" if cuda else "float32",
+                  **({"gpu_memory_utilization": 0.4} if cuda else {"block_size": 32}),
+                  **({"load_format": "auto"} if args.model else {})}
+        return run(model, work, engine, long_prompt, shared, args.cpu_gb, Spinner)
+
     kwargs = dict(model=model, skip_tokenizer_init=True, seed=0, enforce_eager=True,
                   disable_log_stats=False,  # per-request TTFT in RequestOutput.metrics
                   max_model_len=args.tokens + 1024, enable_prefix_caching=False,
                   dtype="bfloat16" if cuda else "float32",
+                  # sliding-window chunks kept every 1024 tokens: a shared start hits there
                   kv_transfer_config=connector_config({"cpu_gb": args.cpu_gb,
+                                                       "retention_interval": 1024,
                                                        "stats_file": str(stats)}))
     kwargs.update(shim_kwargs())
     if not args.model:
