@@ -70,6 +70,10 @@ def main(argv=None):
     p.add_argument("--l2", help="JSON list of LMCache L2 tiers behind the CPU store")
     p.add_argument("--from-tier", action="store_true",
                    help="no cold runs; every warm hit comes up from the --l2 tiers")
+    p.add_argument("--model-dir", help="where the random-weight model's config is written "
+                   "(default: a new temporary directory; with --l2 a fixed one per config, "
+                   "since the model path is part of every key and a second engine must "
+                   "name the same model to share the tier)")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.from_tier:  # collective_rpc with a function (empty_cpu_tier)
@@ -88,9 +92,10 @@ def main(argv=None):
     cfg = load_text_config(bundled_config(args.config))
     cfg.architectures = ["Gemma4ForCausalLM"]
     layout = hf_layout(cfg, dtype=torch.bfloat16)
-    model = tempfile.mkdtemp(prefix="gemma4-bench-")
+    model = args.model_dir or (f"{tempfile.gettempdir()}/gemma4-bench-{args.config}"
+                               if args.l2 else tempfile.mkdtemp(prefix="gemma4-bench-"))
     cfg.save_pretrained(model)
-    stats = Path(model) / "stats.jsonl"
+    stats = Path(tempfile.mkdtemp(prefix="gemma4-bench-stats-")) / "stats.jsonl"
     kwargs = dict(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                   seed=0, enforce_eager=True, max_model_len=max(lengths) + 1024,
                   max_num_batched_tokens=8192, gpu_memory_utilization=0.9,

@@ -349,7 +349,7 @@ def _arm_evict_after_pin(w, state):
 # a pin (the CPU-tier read behind a hit) that finds nothing
 def _arm_pin_fails(w, state):
     def make(original):
-        def pin(keys):
+        def pin(*a, **kw):
             state["fired"] += 1
             return None
         return pin
