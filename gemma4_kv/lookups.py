@@ -77,14 +77,18 @@ class LookupService:
         self._hits: dict[str, Hit] = {}
         self._pending: dict[str, _Pending] = {}
         self._backoff = _Backoff()
+        self._warned_until = 0.0
         self._lock = threading.Lock()  # _hits: the model thread takes them to load
 
     # -- protocol ---------------------------------------------------------------------
     def handle(self, msg: protocol.Request) -> protocol.Reply:
-        if isinstance(msg, protocol.Lookup):
-            return self.lookup(msg)
-        if isinstance(msg, protocol.Repin):
-            return protocol.Done(self.repin(msg))
+        if isinstance(msg, (protocol.Lookup, protocol.Repin)):
+            try:
+                if isinstance(msg, protocol.Lookup):
+                    return self.lookup(msg)
+                return protocol.Done(self.repin(msg))
+            except Exception:  # noqa: BLE001 - a store read that failed: this request misses
+                return self._missed(msg)
         if isinstance(msg, protocol.Release):
             self.release(msg.req_id)
             self._pending.pop(msg.req_id, None)
@@ -143,6 +147,25 @@ class LookupService:
                                             from_l2=h.from_l2)
         self._count(msg, 0, 0, t0)
         return protocol.LookupReply(candidates=candidates)
+
+    def _missed(self, msg: protocol.Lookup | protocol.Repin) -> protocol.Reply:
+        """A lookup whose store call raised is this request's miss, not the rank's
+        failure: nothing stays pinned or pending for it, and other requests (and the
+        next lookup of this one) are served as before."""
+        self.release(msg.req_id)
+        self._pending.pop(msg.req_id, None)
+        now = time.monotonic()
+        if now >= self._warned_until:
+            self._warned_until = now + 10.0
+            logger.warning("gemma4-kv: a lookup of request %s failed in the store; it is "
+                           "a miss (further failures for 10 s are logged at debug level)",
+                           msg.req_id, exc_info=True)
+        else:
+            logger.debug("gemma4-kv: a lookup of request %s failed in the store",
+                         msg.req_id, exc_info=True)
+        if isinstance(msg, protocol.Lookup):
+            return protocol.LookupReply()
+        return protocol.Done(False)
 
     def repin(self, msg: protocol.Repin) -> bool:
         """Pin exactly what a hit of `msg.hit` tokens reads (the scheduler's choice over

@@ -105,3 +105,33 @@ def test_no_common_hit_releases_every_pin(ranks):
     for store in stores:
         assert locked(store, hashes) == set()
     assert all(not s._hits for s in services)
+
+
+def test_a_store_read_that_raises_on_one_rank_is_that_requests_miss_only(ranks, monkeypatch):
+    """Rank 1's store raises inside the Repin's pin (after rank 0 pinned its own, longer
+    answer): the request misses, no rank keeps a lock, and the rank is not taken for
+    down: the next lookup, once the store reads again, hits on both."""
+    stores, services, client = ranks
+    gen = torch.Generator().manual_seed(2)
+    hashes = chunk_hashes(list(range(8 * CHUNK)), CHUNK)
+    put(stores[0], hashes, gen)
+    put(stores[1], hashes[:6], gen)  # rank 1 serves less: the scheduler re-pins rank 0
+    put(stores[1], hashes[6:], gen, groups=(0,))
+    original = stores[1].pin
+
+    def failing(*a, **kw):
+        raise RuntimeError("injected: the CPU tier's read failed")
+
+    lookup = protocol.Lookup("r3", hashes, 0, 8 * CHUNK - 16)
+    monkeypatch.setattr(stores[1], "pin", failing)
+    assert lookup_all_ranks(client, lookup) == (0, 0)  # not RanksDown
+    for store in stores:
+        assert locked(store, hashes) == set()
+    assert all(not s._hits and not s._pending for s in services)
+    monkeypatch.setattr(stores[1], "pin", original)
+    hit, _ = lookup_all_ranks(client, protocol.Lookup("r4", hashes, 0, 8 * CHUNK - 16))
+    assert hit > 0
+    for service in services:
+        service.done(service.take("r4"))
+    for store in stores:
+        assert locked(store, hashes) == set()
