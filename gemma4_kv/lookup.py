@@ -336,6 +336,19 @@ class LookupClient:
             ok = False
         return [replies[r] for r in range(len(self._socks))] if ok else None
 
+    def tell_all(self, msg: protocol.Request) -> None:
+        """Send to every rank without waiting for the replies (they are dropped as late
+        ones by the next `ask_all`). A rank handles its messages in order, so whatever
+        is asked of it later is handled after this."""
+        rid = next(self._ids).to_bytes(_RID_BYTES, "big")
+        payload = self._encoder.encode(msg)
+        for rank, s in enumerate(self._socks):
+            try:
+                s.send_multipart([rid, payload], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                logger.warning("gemma4-kv worker at %s: cannot send %s", self.addresses[rank],
+                               type(msg).__name__)
+
     @staticmethod
     def _recv(s: zmq.Socket) -> list[bytes] | None:
         try:

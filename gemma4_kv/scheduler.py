@@ -203,7 +203,8 @@ class ConnectorScheduler:
             logger.warning("gemma4-kv: a worker rank did not answer a lookup; no lookups "
                            "for %.0f s", RANK_BACKOFF_S)
             self._ranks_down_until = time.monotonic() + RANK_BACKOFF_S
-            self._release_all(request.request_id)
+            # without waiting: the rank that did not answer would hold the scheduler again
+            self.client.tell_all(protocol.Release(request.request_id))
             return 0, False
         st.asked = True
         if hit is None:

@@ -126,6 +126,31 @@ def test_a_failing_or_silent_rank_is_a_miss_and_the_client_recovers(rundir):
             late.close()
 
 
+def test_telling_a_silent_rank_does_not_wait_and_it_is_handled_in_order(rundir):
+    busy, seen = threading.Event(), []
+
+    def handle(msg):
+        seen.append(type(msg).__name__)
+        if len(seen) == 1:
+            busy.wait(30)  # the first message holds the rank up
+        return protocol.Done(ok=True)
+
+    server = LookupServer(socket_address("tell", os.getpid(), 0), handle)
+    client = LookupClient([server.address], timeout_ms=200)
+    try:
+        assert client.ask_all(protocol.Release("a")) is None  # the rank is silent
+        t0 = time.monotonic()
+        client.tell_all(protocol.Release("a"))
+        assert time.monotonic() - t0 < 0.1
+        busy.set()
+        client.timeout_ms = 20_000
+        assert client.ask_all(protocol.Reset()) == [protocol.Done(ok=True)]
+        assert seen == ["Release", "Release", "Reset"]
+    finally:
+        client.close()
+        server.close()
+
+
 def test_a_late_reply_is_never_the_answer_to_the_next_request(rundir):
     release_first = threading.Event()
     calls = []
@@ -228,6 +253,7 @@ def test_directory_and_socket_are_private_even_under_umask_0(rundir):
         assert mode_of(server.path + ".lock") == 0o600
     finally:
         server.close()
+    assert not os.path.exists(server.path) and not os.path.exists(server.path + ".lock")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
