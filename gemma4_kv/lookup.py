@@ -299,18 +299,9 @@ class LookupClient:
         """Every rank's reply, in rank order, or None if any rank failed, timed out or
         answered `Failed`. All ranks are asked before any reply is awaited, so they
         answer in parallel."""
-        rid = next(self._ids).to_bytes(_RID_BYTES, "big")
-        payload = self._encoder.encode(msg)
         name = type(msg).__name__
-        ok, waiting, replies = True, set(), {}
-        for rank, s in enumerate(self._socks):
-            try:
-                s.send_multipart([rid, payload], flags=zmq.NOBLOCK)
-                waiting.add(rank)
-            except zmq.Again:  # its queue is full: that rank has been gone a while
-                logger.warning("gemma4-kv worker at %s: cannot send %s", self.addresses[rank],
-                               name)
-                ok = False
+        rid, waiting = self._send_all(msg)
+        ok, replies = len(waiting) == len(self._socks), {}
         deadline = time.monotonic() + self.timeout_ms / 1000
         while waiting and (left := deadline - time.monotonic()) > 0:
             for s, _ in self._poller.poll(left * 1000):
@@ -340,14 +331,21 @@ class LookupClient:
         """Send to every rank without waiting for the replies (they are dropped as late
         ones by the next `ask_all`). A rank handles its messages in order, so whatever
         is asked of it later is handled after this."""
+        self._send_all(msg)
+
+    def _send_all(self, msg: protocol.Request) -> tuple[bytes, set[int]]:
+        """(request id, ranks it was sent to)."""
         rid = next(self._ids).to_bytes(_RID_BYTES, "big")
         payload = self._encoder.encode(msg)
+        sent = set()
         for rank, s in enumerate(self._socks):
             try:
                 s.send_multipart([rid, payload], flags=zmq.NOBLOCK)
-            except zmq.Again:
+                sent.add(rank)
+            except zmq.Again:  # its queue is full: that rank has been gone a while
                 logger.warning("gemma4-kv worker at %s: cannot send %s", self.addresses[rank],
                                type(msg).__name__)
+        return rid, sent
 
     @staticmethod
     def _recv(s: zmq.Socket) -> list[bytes] | None:
