@@ -57,19 +57,45 @@ def run_engine(tmp_path, name, model, *, connector, engine, extra=None, spec_cfg
         spec["metrics"] = list(metrics)
     if connector_class:
         spec.update(connector_class=connector_class, connector_module="broken_connector")
+    out, _ = run_harness(tmp_path, name, spec, env=env)
+    return out, stats_events(stats)
+
+
+def run_harness(tmp_path, name, spec, *, env=None, unset=()):
+    """One engine: the harness (`gemma4_kv.harness`) in a process group of its own over
+    `spec`, on vLLM's CPU KV space, a private vLLM cache and tests/ on the path (`env`
+    on top, `unset` removed). Returns (its output, the finished process); its stdout and
+    stderr are kept in `<name>.log`."""
     spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONHASHSEED="0",
-               VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
-               PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
-               **(env or {}))
+    full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONHASHSEED="0",
+                    VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
+                    PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
+    full_env.update(env or {})
+    for k in unset:
+        full_env.pop(k, None)
     # -P: the installed package (with its kernels), not the source tree in the cwd
     proc = run_group([sys.executable, "-P", "-m", "gemma4_kv.harness", str(spec_path),
-                      str(out_path)], env=env, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    events = [json.loads(l) for l in stats.read_text().splitlines()] if stats.exists() else []
-    return json.loads(out_path.read_text()), events
+                      str(out_path)], env=full_env, timeout=900)
+    (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    return json.loads(out_path.read_text()), proc
+
+
+def stats_events(path):
+    """The events of a connector's stats file (none if it was never written)."""
+    return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+
+
+def saved_blocks(events) -> Counter:
+    """Blocks saved per group id over a run's stats events."""
+    saved = Counter()
+    for e in events:
+        if e["event"] == "save":
+            for gid, v in e["groups"].items():
+                saved[int(gid)] += v["blocks"]
+    return saved
 
 
 def run_group(cmd, *, env, timeout):
@@ -140,12 +166,7 @@ def check_against_plan(cfg, events, out, base, *, dtype, block_size, assistant=N
             most = -(-(g.window - 1) // g.block_size) + 1
             assert all(e["groups"][str(g.group_id)]["blocks"] <= most for e in loads)
     # Every object the model stores is saved exactly once, and nothing else.
-    saved = Counter()
-    for e in events:
-        if e["event"] == "save":
-            for gid, v in e["groups"].items():
-                saved[int(gid)] += v["blocks"]
-    assert saved == Counter({g.group_id: sum(1 for _, gid in stored if gid == g.group_id)
+    assert saved_blocks(events) == Counter({g.group_id: sum(1 for _, gid in stored if gid == g.group_id)
                              * (CHUNK // g.block_size) for g in layout.groups})
 
 

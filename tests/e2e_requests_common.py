@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 from gemma4_kv.plan import hit_ends, max_servable_hit, retained_chunks
-from e2e_common import run_group
+from e2e_common import run_harness, stats_events
 
 
 def run_steps(tmp_path, name, model, steps, *, connector, engine, extra=None, loras=None,
@@ -21,21 +20,9 @@ def run_steps(tmp_path, name, model, steps, *, connector, engine, extra=None, lo
             "engine": {"enforce_eager": True, "max_model_len": 4096, **engine},
             "extra_config": {"cpu_gb": 0.25, "stats_file": str(stats), **(extra or {})},
             "loras": loras or {}}
-    spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONHASHSEED="0",
-               VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
-               PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
-               **(env or {}))
-    env.pop("LMCACHE_LOG_LEVEL", None)  # the connector's default level is under test
-    proc = run_group([sys.executable, "-P", "-m", "gemma4_kv.harness", str(spec_path),
-                      str(out_path)], env=env, timeout=900)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    (tmp_path / f"{name}.log").write_text(log)
-    events = [json.loads(l) for l in stats.read_text().splitlines()] if stats.exists() else []
-    return json.loads(out_path.read_text()), events, log
+    # the connector's default LMCache log level is under test
+    out, proc = run_harness(tmp_path, name, spec, env=env, unset=("LMCACHE_LOG_LEVEL",))
+    return out, stats_events(stats), proc.stdout + proc.stderr
 
 
 def write_adapter(path, seed: int, cfg, rank: int = 8) -> str:

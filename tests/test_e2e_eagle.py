@@ -18,15 +18,12 @@ max_model_len for the drafter to run.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import sys
 
 import pytest
 import torch
 
-from e2e_common import CHUNK, RETENTION, prompts, run_group
+from e2e_common import CHUNK, RETENTION, prompts, run_harness, stats_events
 from eagle_draft import tiny_eagle3_config
 from gemma4_kv.harness import save_config, tiny_gemma4_config
 from gemma4_kv.keys import chunk_hashes
@@ -90,17 +87,8 @@ def _run(tmp_path, name, model, draft, steps, *, connector, platform):
                              "retention_interval": RETENTION, "save_decode_tokens": True},
             "speculative_config": {"method": "eagle3", "model": draft,
                                    "num_speculative_tokens": SPEC_TOKENS}}
-    spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONHASHSEED="0", VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
-               PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
-               **platform["env"])
-    proc = run_group([sys.executable, "-P", "-m", "gemma4_kv.harness", str(spec_path),
-                      str(out_path)], env=env, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    events = [json.loads(l) for l in stats.read_text().splitlines()] if stats.exists() else []
-    out = json.loads(out_path.read_text())
+    out, _ = run_harness(tmp_path, name, spec, env=platform["env"])
+    events = stats_events(stats)
     assert out["steps"][0]["result"][0] > 0  # draft norms sharpened
     return out, events
 

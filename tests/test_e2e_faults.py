@@ -13,13 +13,11 @@ measured inside vLLM's scheduler (`faults.FaultsConnector`), TTFT bounds are loo
 from __future__ import annotations
 
 import json
-import os
 import random
-import sys
 
 import pytest
 
-from e2e_common import run_group
+from e2e_common import run_harness
 from gemma4_kv.harness import save_config, tiny_gemma4_config
 from gemma4_kv.scheduler import RANK_TIMEOUT_S
 
@@ -84,23 +82,13 @@ def run(tmp_path, name, model, steps, *, connector, extra=None, connector_class=
             "extra_config": {"cpu_gb": 0.25, "retention_interval": RETENTION, **(extra or {})}}
     if connector_class:
         spec.update(connector_class=connector_class, connector_module="faults")
-    spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
     sched_log = tmp_path / f"{name}.scheduler.jsonl"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONHASHSEED="0",
-               VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
-               PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
-               **{faults.SCHEDULER_LOG: str(sched_log)})
-    proc = run_group([sys.executable, "-P", "-m", "gemma4_kv.harness", str(spec_path),
-                      str(out_path)], env=env, timeout=900)
-    (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    out, _ = run_harness(tmp_path, name, spec, env={faults.SCHEDULER_LOG: str(sched_log)})
     lookups = {}
     for line in sched_log.read_text().splitlines() if sched_log.exists() else ():
         e = json.loads(line)
         lookups.setdefault(int(e["req"].split("-")[0]), []).append(e)
-    return json.loads(out_path.read_text()), lookups
+    return out, lookups
 
 
 def fault_script(disk: str) -> Script:

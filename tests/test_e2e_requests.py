@@ -24,6 +24,7 @@ from gemma4_kv.harness import save_config, tiny_gemma4_config
 from gemma4_kv.hf_layout import hf_layout
 from gemma4_kv.keys import chunk_hashes
 from gemma4_kv.plan import needed_blocks
+from e2e_common import saved_blocks
 from e2e_requests_common import counters, expected_store, run_steps, write_adapter
 
 pytest.importorskip("vllm")
@@ -174,12 +175,7 @@ def test_loads_and_saves_follow_the_plan(runs):
             blocks = len(needed_blocks(g, 0, e["end"]))
             assert e["groups"][str(g.group_id)] == {
                 "blocks": blocks, "bytes": blocks * g.page_bytes * len(g.layers)}
-    saved = Counter()
-    for e in events:
-        if e["event"] == "save":
-            for gid, v in e["groups"].items():
-                saved[int(gid)] += v["blocks"]
-    assert saved == Counter({g.group_id: sum(1 for _, gid in stored if gid == g.group_id)
+    assert saved_blocks(events) == Counter({g.group_id: sum(1 for _, gid in stored if gid == g.group_id)
                              * (CHUNK // g.block_size) for g in layout.groups})
 
 

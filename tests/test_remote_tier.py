@@ -20,12 +20,12 @@ import time
 import pytest
 import torch
 
-from gemma4_kv import integrity
 from gemma4_kv.keys import chunk_hashes, fingerprint
 from gemma4_kv.layout import AttentionKind, KVGroup, KVLayout
 from gemma4_kv.plan import hit_chunks, window_chunks
 from gemma4_kv.store import ChunkStore, Prefetch, StoreConfig
-from paged import bits, random_bits
+from paged import bits
+from test_store import put as store_chunks
 from tier_servers import TierServer, require_server, tier_server  # noqa: F401  (fixture)
 
 CHUNK = 32
@@ -65,16 +65,9 @@ def open_store(spec: dict, model: str = "tiny", kv_rank: int = 0,
 
 
 def put(store: ChunkStore, hashes, gen) -> tuple[dict, float]:
-    """Store chunks as the saver does (reserve, fill, seal, commit): data, seconds taken."""
+    """Store chunks as the saver does (test_store.put): data, seconds taken."""
     start = time.monotonic()
-    objects = store.reserve([(h, GROUPS) for h in hashes])
-    data = {}
-    for (h, g), (kv, trailer, key) in objects.items():
-        data[(h, g)] = random_bits(kv.shape, kv.dtype, generator=gen)
-        kv.copy_(data[(h, g)])
-        integrity.seal(kv, trailer, key)
-    for h in hashes:
-        store.commit(h)
+    data = store_chunks(store, hashes, gen, groups=GROUPS)
     return data, time.monotonic() - start
 
 
