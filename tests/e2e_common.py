@@ -63,9 +63,18 @@ def run_engine(tmp_path, name, model, *, connector, engine, extra=None, spec_cfg
 
 def run_harness(tmp_path, name, spec, *, env=None, unset=()):
     """One engine: the harness (`gemma4_kv.harness`) in a process group of its own over
-    `spec`, on vLLM's CPU KV space, a private vLLM cache and tests/ on the path (`env`
-    on top, `unset` removed). Returns (its output, the finished process); its stdout and
-    stderr are kept in `<name>.log`."""
+    `spec` (see `harness_command`). Returns (its output, the finished process); its
+    stdout and stderr are kept in `<name>.log`."""
+    cmd, full_env, out_path = harness_command(tmp_path, name, spec, env=env, unset=unset)
+    proc = run_group(cmd, env=full_env, timeout=900)
+    (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    return json.loads(out_path.read_text()), proc
+
+
+def harness_command(tmp_path, name, spec, *, env=None, unset=()):
+    """(command, environment, output path) of a harness run over `spec`: vLLM's CPU KV
+    space, a private vLLM cache and tests/ on the path (`env` on top, `unset` removed)."""
     spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     tests_dir = os.path.dirname(os.path.abspath(__file__))
@@ -76,11 +85,8 @@ def run_harness(tmp_path, name, spec, *, env=None, unset=()):
     for k in unset:
         full_env.pop(k, None)
     # -P: the installed package (with its kernels), not the source tree in the cwd
-    proc = run_group([sys.executable, "-P", "-m", "gemma4_kv.harness", str(spec_path),
-                      str(out_path)], env=full_env, timeout=900)
-    (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
-    return json.loads(out_path.read_text()), proc
+    cmd = [sys.executable, "-P", "-m", "gemma4_kv.harness", str(spec_path), str(out_path)]
+    return cmd, full_env, out_path
 
 
 def stats_events(path):

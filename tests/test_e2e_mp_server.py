@@ -14,7 +14,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from e2e_common import CHUNK, save_config, tiny_gemma4_config
+from e2e_common import CHUNK, harness_command, save_config, stats_events, tiny_gemma4_config
 from gemma4_kv.hf_layout import hf_layout
 from lmcache_servers import Server
 
@@ -56,15 +55,9 @@ def launch(tmp_path: Path, name: str, model: str, url: str, steps: list) -> tupl
             "extra_config": {"lmcache_server": url, "lmcache_server_timeout_s": TIMEOUT,
                              "stats_file": str(stats)},
             "steps": steps}
-    spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONHASHSEED="0",
-               VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
-               PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
+    cmd, env, out_path = harness_command(tmp_path, name, spec)
     log = open(tmp_path / f"{name}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "gemma4_kv.harness", str(spec_path),
-                             str(out_path)], env=env, stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     return proc, out_path, stats, tmp_path / f"{name}.log"
 
@@ -77,8 +70,7 @@ def finish(run: tuple, timeout: float = 600) -> tuple[dict, list]:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert proc.returncode == 0, log.read_text()[-8000:]
-    events = [json.loads(line) for line in stats.read_text().splitlines()]
-    return json.loads(out_path.read_text()), events
+    return json.loads(out_path.read_text()), stats_events(stats)
 
 
 def wait_for(path: Path, run: tuple, timeout: float = 600) -> None:

@@ -151,6 +151,14 @@ def after_a(r) -> set:
     return tiers.server
 
 
+def after_b(r) -> set:
+    """What the server holds once engine B has run `B_PROMPTS` after A."""
+    tiers = Tiers(r["layout"], after_a(r))
+    for p in B_PROMPTS:
+        tiers.run(p)
+    return tiers.server
+
+
 def wire_keys(fingerprint: str, objects: set) -> set[str]:
     return {f"{fingerprint}@{0:08x}@{g:x}@{h.hex()}" for h, g in objects}
 
@@ -280,10 +288,7 @@ def test_engine_b_hits_what_a_stored_from_the_shared_tier(runs):
 
 def test_engine_a_restarted_still_hits(runs):
     r = runs
-    after_b = Tiers(r["layout"], after_a(r))
-    for p in B_PROMPTS:
-        after_b.run(p)
-    tiers = Tiers(r["layout"], after_b.server)
+    tiers = Tiers(r["layout"], after_b(r))
     first = r["a2"]["steps"][0]
     assert first["cached"] == [tiers.run(p) for p in (BASE, THIRD)] == [1024, 768]
     assert not tokens_match(r, first, [BASE, THIRD])
@@ -292,10 +297,7 @@ def test_engine_a_restarted_still_hits(runs):
 
 def test_server_killed_mid_run_misses_within_ttft_bound_then_serves_again(runs):
     r = runs
-    after_b = Tiers(r["layout"], after_a(r))
-    for p in B_PROMPTS:
-        after_b.run(p)
-    tiers = Tiers(r["layout"], after_b.server)
+    tiers = Tiers(r["layout"], after_b(r))
     for p in (BASE, THIRD):
         tiers.run(p)
     steps = r["a2"]["steps"]
