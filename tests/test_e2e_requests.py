@@ -200,11 +200,17 @@ def test_metrics_reach_the_front_end(runs):
         assert snap["vllm:gemma4_kv_hit_tokens"] == sum(cached)
         assert snap["vllm:gemma4_kv_lookups"] == n
         assert snap["vllm:prompt_tokens_cached"] == sum(cached)
-        # The connector names its tier (get_external_cache_hit_sources): all from the
-        # CPU tier here, which holds everything the disk tier does.
-        assert snap["vllm:prompt_tokens_cached_by_source{source=host}"] == sum(cached)
-        assert snap["vllm:prompt_tokens_cached_by_source{source=disk}"] == 0
-        assert snap["vllm:gemma4_kv_hit_tokens_l2"] == 0
+        # The connector names its tier (get_external_cache_hit_sources). The CPU tier
+        # holds everything the disk tier does, so a request asked alone finds its whole
+        # hit there and never asks the disk. A batched request may be looked up while
+        # the identical one before it is still being written: the disk tier is asked,
+        # and whether that write reaches it first is timing, so those hits may count
+        # as the disk's (up to all of the batched requests' hits), never more.
+        host = snap["vllm:prompt_tokens_cached_by_source{source=host}"]
+        disk = snap["vllm:prompt_tokens_cached_by_source{source=disk}"]
+        assert host + disk == sum(cached)
+        assert disk == snap["vllm:gemma4_kv_hit_tokens_l2"]
+        assert disk <= sum(cached[i] for i in IN_BATCH if i < n)
     load_blocks, load_bytes = _event_sums(events, "load")
     save_blocks, save_bytes = _event_sums(events, "save")
     assert end["vllm:gemma4_kv_load_blocks"] == load_blocks > 0
