@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from gemma4_kv.hf_layout import hf_layout, load_text_config  # noqa: E402
+from gemma4_kv.layout.from_hf import hf_layout, load_text_config  # noqa: E402
 from gemma4_kv.kernels import copy_blocks  # noqa: E402
-from gemma4_kv.cli import bundled_config  # noqa: E402
+from gemma4_kv.tools.cli import bundled_config  # noqa: E402
 from paged import bits  # noqa: E402
 
 CHUNK = 256
@@ -208,7 +208,7 @@ def ceiling(case, d):
 # -- correctness -------------------------------------------------------------------------
 def reference_objects(case):
     """KV_2LTD objects of every group, from the plain torch reference (on the GPU)."""
-    from gemma4_kv.mover import BlockMoves, torch_gather
+    from gemma4_kv.transfer.mover import BlockMoves, torch_gather
 
     refs = []
     for x in case.groups:

@@ -148,13 +148,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def model_config(args):
     """The HF text config of the benchmarked shape."""
     if args.config == "tiny":
-        from gemma4_kv.harness import tiny_gemma4_config
+        from gemma4_kv.tools.harness import tiny_gemma4_config
 
         # window >= chunk_size: under chunked prefill a smaller window loses a chunk's first
         # sliding blocks before the chunk completes (the connector warns), as no Gemma 4 does
         return tiny_gemma4_config(window=256)
-    from gemma4_kv.cli import bundled_config
-    from gemma4_kv.hf_layout import load_text_config
+    from gemma4_kv.tools.cli import bundled_config
+    from gemma4_kv.layout.from_hf import load_text_config
 
     cfg = load_text_config(bundled_config(args.config))
     cfg.architectures = ["Gemma4ForCausalLM"]
@@ -164,7 +164,7 @@ def model_config(args):
 def layout_of(args, cfg):
     import torch
 
-    from gemma4_kv.hf_layout import hf_layout
+    from gemma4_kv.layout.from_hf import hf_layout
 
     kw = {"block_size": args.block_size} if args.block_size else {}
     return hf_layout(cfg, dtype=getattr(torch, args.dtype), **kw)
@@ -173,7 +173,7 @@ def layout_of(args, cfg):
 def sizes(args, layout) -> dict:
     """Documents per long-doc scenario and what they take, densely and as retained by
     this connector (plan.retained_chunks: sliding groups only before hit ends)."""
-    from gemma4_kv.plan import hit_ends, retained_chunks
+    from gemma4_kv.layout.plan import hit_ends, retained_chunks
 
     dense = sum(g.bytes_per_token for g in layout.groups)
     prompt = args.doc_len + args.question_len
@@ -264,7 +264,7 @@ class Chat:
 # -- worker: one system, one engine ---------------------------------------------------------
 
 def engine_kwargs(args, system: str, model: str, stats: Path, layout) -> dict:
-    from gemma4_kv.harness import connector_config, shim_kwargs
+    from gemma4_kv.tools.harness import connector_config, shim_kwargs
 
     kw = dict(model=model, load_format="dummy", skip_tokenizer_init=True, dtype=args.dtype,
               seed=0, enforce_eager=True, max_model_len=max_model_len(args),
@@ -334,7 +334,7 @@ def run_worker(args, system: str, result_path: Path) -> None:
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     import torch
 
-    from gemma4_kv.harness import sharpen_dummy_weights, shim_kwargs
+    from gemma4_kv.tools.harness import sharpen_dummy_weights, shim_kwargs
 
     from vllm.platforms import current_platform  # no CUDA initialised: the engine forks
 

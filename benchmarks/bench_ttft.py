@@ -31,9 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from gemma4_kv.cli import bundled_config
-from gemma4_kv.harness import connector_config, shim_kwargs
-from gemma4_kv.hf_layout import hf_layout, load_text_config
+from gemma4_kv.tools.cli import bundled_config
+from gemma4_kv.tools.harness import connector_config, shim_kwargs
+from gemma4_kv.layout.from_hf import hf_layout, load_text_config
 
 
 def transfer_config(args, layout, stats: Path) -> dict:

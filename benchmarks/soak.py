@@ -33,7 +33,7 @@ if str(TESTS) not in sys.path:
 
 from e2e_common import run_group  # noqa: E402
 
-from gemma4_kv.harness import save_config, tiny_gemma4_config  # noqa: E402
+from gemma4_kv.tools.harness import save_config, tiny_gemma4_config  # noqa: E402
 
 ENGINE = {"enforce_eager": True, "max_model_len": 4096, "dtype": "float32", "block_size": 32,
           "max_num_batched_tokens": 512}
@@ -101,7 +101,7 @@ def run_engine(tmp: Path, name: str, model: str, steps: list[dict], *, connector
                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
                GEMMA4_KV_FAULTS_SCHEDULER_LOG=str(sched_log))
     t0 = time.perf_counter()
-    proc = run_group([sys.executable, "-P", "-m", "gemma4_kv.harness", str(spec_path),
+    proc = run_group([sys.executable, "-P", "-m", "gemma4_kv.tools.harness", str(spec_path),
                       str(out_path)], env=env, timeout=timeout)
     wall = time.perf_counter() - t0
     (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)

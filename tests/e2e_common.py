@@ -11,10 +11,10 @@ import subprocess
 import sys
 from collections import Counter
 
-from gemma4_kv.harness import save_config, tiny_assistant_config, tiny_gemma4_config
-from gemma4_kv.hf_layout import hf_layout
-from gemma4_kv.keys import chunk_hashes
-from gemma4_kv.plan import hit_ends, max_servable_hit, needed_blocks, retained_chunks
+from gemma4_kv.tools.harness import save_config, tiny_assistant_config, tiny_gemma4_config
+from gemma4_kv.layout.from_hf import hf_layout
+from gemma4_kv.keys.engine import chunk_hashes
+from gemma4_kv.layout.plan import hit_ends, max_servable_hit, needed_blocks, retained_chunks
 
 CHUNK = 256
 RETENTION = 512
@@ -62,7 +62,7 @@ def run_engine(tmp_path, name, model, *, connector, engine, extra=None, spec_cfg
 
 
 def run_harness(tmp_path, name, spec, *, env=None, unset=()):
-    """One engine: the harness (`gemma4_kv.harness`) in a process group of its own over
+    """One engine: the harness (`gemma4_kv.tools.harness`) in a process group of its own over
     `spec` (see `harness_command`). Returns (its output, the finished process); its
     stdout and stderr are kept in `<name>.log`."""
     cmd, full_env, out_path = harness_command(tmp_path, name, spec, env=env, unset=unset)
@@ -85,7 +85,7 @@ def harness_command(tmp_path, name, spec, *, env=None, unset=()):
     for k in unset:
         full_env.pop(k, None)
     # -P: the installed package (with its kernels), not the source tree in the cwd
-    cmd = [sys.executable, "-P", "-m", "gemma4_kv.harness", str(spec_path), str(out_path)]
+    cmd = [sys.executable, "-P", "-m", "gemma4_kv.tools.harness", str(spec_path), str(out_path)]
     return cmd, full_env, out_path
 
 

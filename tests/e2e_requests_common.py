@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from gemma4_kv.plan import hit_ends, max_servable_hit, retained_chunks
+from gemma4_kv.layout.plan import hit_ends, max_servable_hit, retained_chunks
 from e2e_common import run_harness, stats_events
 
 

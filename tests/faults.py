@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from gemma4_kv import scheduler
+from gemma4_kv.connector import scheduler
 from gemma4_kv.connector import Gemma4KVConnector
 
 RANK_BACKOFF_S = 3.0
@@ -78,7 +78,7 @@ def _hashes(tokens: list[int], chunk_size: int) -> list[bytes]:
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    from gemma4_kv.request_keys import chunk_keys
+    from gemma4_kv.keys.request import chunk_keys
 
     req = Request("faults", tokens, SamplingParams(max_tokens=1), None)
     return chunk_keys(req, chunk_size).hashes
@@ -453,7 +453,7 @@ def _disarm_long_l2_backoff(w, state):
 
 # a worker rank that does not answer a lookup within the scheduler's RANK_TIMEOUT_S
 def _arm_silent_rank(w, state):
-    from gemma4_kv import protocol
+    from gemma4_kv.lookup import messages as protocol
 
     lookups = w.lookups
     stall = state.get("stall", scheduler.RANK_TIMEOUT_S + 1.0)

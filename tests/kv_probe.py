@@ -145,7 +145,7 @@ class _Probe:
             self.watch.append({"req": req_id, "group": group, "cb": cb, "kv": live})
 
     def _loaded(self, load):
-        from gemma4_kv.plan import load_blocks
+        from gemma4_kv.layout.plan import load_blocks
 
         self.counts["loaded"] += 1
         for cb in load_blocks(self.layout, load.start, load.hit, self.cs, load.block_ids):

@@ -1,5 +1,5 @@
 """collective_rpc targets for tests/test_e2e_mp_server.py (run on every worker of an
-engine by `gemma4_kv.harness` "call" steps)."""
+engine by `gemma4_kv.tools.harness` "call" steps)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from gemma4_kv.connector import Gemma4KVConnector  # noqa: E402
-from gemma4_kv.metrics import COUNTERS, Gemma4KVStats  # noqa: E402
+from gemma4_kv.connector.metrics import COUNTERS, Gemma4KVStats  # noqa: E402
 
 
 def resolved_cudagraph_mode(monkeypatch, **ktc):

@@ -25,10 +25,10 @@ import torch
 
 from e2e_common import CHUNK, RETENTION, prompts, run_harness, stats_events
 from eagle_draft import tiny_eagle3_config
-from gemma4_kv.harness import save_config, tiny_gemma4_config
-from gemma4_kv.keys import chunk_hashes
-from gemma4_kv.layout import AttentionKind, KVGroup, KVLayout
-from gemma4_kv.plan import hit_ends, max_servable_hit, needed_blocks, retained_chunks
+from gemma4_kv.tools.harness import save_config, tiny_gemma4_config
+from gemma4_kv.keys.engine import chunk_hashes
+from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
+from gemma4_kv.layout.plan import hit_ends, max_servable_hit, needed_blocks, retained_chunks
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm

@@ -18,8 +18,8 @@ import random
 import pytest
 
 from e2e_common import run_harness
-from gemma4_kv.harness import save_config, tiny_gemma4_config
-from gemma4_kv.scheduler import RANK_TIMEOUT_S
+from gemma4_kv.tools.harness import save_config, tiny_gemma4_config
+from gemma4_kv.connector.scheduler import RANK_TIMEOUT_S
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from e2e_common import CHUNK, harness_command, save_config, stats_events, tiny_gemma4_config
-from gemma4_kv.hf_layout import hf_layout
+from gemma4_kv.layout.from_hf import hf_layout
 from lmcache_servers import Server
 
 pytest.importorskip("vllm")

@@ -20,10 +20,10 @@ from collections import Counter
 import pytest
 import torch
 
-from gemma4_kv.harness import save_config, tiny_gemma4_config
-from gemma4_kv.hf_layout import hf_layout
-from gemma4_kv.keys import chunk_hashes
-from gemma4_kv.plan import needed_blocks
+from gemma4_kv.tools.harness import save_config, tiny_gemma4_config
+from gemma4_kv.layout.from_hf import hf_layout
+from gemma4_kv.keys.engine import chunk_hashes
+from gemma4_kv.layout.plan import needed_blocks
 from e2e_common import saved_blocks
 from e2e_requests_common import counters, expected_store, run_steps, write_adapter
 
@@ -79,7 +79,7 @@ STEPS = [{"prompts": [PROMPTS[n][0] for n in BEFORE]},
          *({"prompts": [PROMPTS[n][0] for n in b], "batch": True} for b in BATCHES),
          {"prompts": [PROMPTS[n][0] for n in AFTER_BATCH]},
          {"metrics": True},
-         {"call": "gemma4_kv.harness:perturb_weights"},
+         {"call": "gemma4_kv.tools.harness:perturb_weights"},
          {"reset": True},
          {"prompts": [PROMPTS[n][0] for n in AFTER]},
          {"metrics": True}]
@@ -272,14 +272,14 @@ class SchedulerHalf:
         from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
         from gemma4_kv.connector import Gemma4KVConnector
-        from gemma4_kv.hf_layout import layer_specs
-        from gemma4_kv.keys import fingerprint
-        from gemma4_kv.layout import from_vllm
-        from gemma4_kv.lookup import LookupServer, socket_address
-        from gemma4_kv.lookups import LookupService
-        from gemma4_kv.metrics import Gemma4KVStats
-        from gemma4_kv.settings import ConnectorSettings
-        from gemma4_kv.store import ChunkStore
+        from gemma4_kv.layout.from_hf import layer_specs
+        from gemma4_kv.keys.engine import fingerprint
+        from gemma4_kv.layout.groups import from_vllm
+        from gemma4_kv.lookup.channel import LookupServer, socket_address
+        from gemma4_kv.lookup.service import LookupService
+        from gemma4_kv.connector.metrics import Gemma4KVStats
+        from gemma4_kv.config.settings import ConnectorSettings
+        from gemma4_kv.stores.embedded import ChunkStore
 
         extra = {"cpu_gb": 0.25, "retention_interval": RETENTION}
         vc = EngineArgs(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
@@ -335,7 +335,7 @@ class SchedulerHalf:
         """(hit, this step's connector metadata) of a request served alone."""
         from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
-        from gemma4_kv.plan import load_blocks
+        from gemma4_kv.layout.plan import load_blocks
 
         rid = req.request_id
         hit, load_async = self.connector.get_num_new_matched_tokens(req, 0)
@@ -366,7 +366,7 @@ class SchedulerHalf:
         return hit, meta
 
     def _put(self, save):
-        from gemma4_kv import integrity
+        from gemma4_kv.stores import integrity
 
         objects = self.store.reserve(list(zip(save.hashes, save.groups)))
         for kv, trailer, key in objects.values():
@@ -448,8 +448,8 @@ def test_lmcache_log_level_is_what_silences_its_per_lookup_lines():
     (In the engine too: the script above with lmcache_log_level INFO prints dozens.)"""
     import logging
 
-    from gemma4_kv import integrity
-    from gemma4_kv.store import ChunkStore, StoreConfig, set_lmcache_log_level
+    from gemma4_kv.stores import integrity
+    from gemma4_kv.stores.embedded import ChunkStore, StoreConfig, set_lmcache_log_level
 
     layout = hf_layout(tiny_gemma4_config(window=100), dtype=torch.float32, block_size=BLOCK)
     store = ChunkStore(layout, "log-control", CHUNK, StoreConfig(cpu_bytes=64 << 20))

@@ -24,9 +24,9 @@ import torch
 
 from e2e_common import (CHUNK, RETENTION, check_against_plan, expected_store, prompts,
                         run_engine, save_config, tiny_gemma4_config)
-from gemma4_kv.hf_layout import hf_layout
-from gemma4_kv.request_keys import chunk_keys
-from gemma4_kv.plan import hit_chunks, hit_ends, max_servable_hit, retained_chunks
+from gemma4_kv.layout.from_hf import hf_layout
+from gemma4_kv.keys.request import chunk_keys
+from gemma4_kv.layout.plan import hit_chunks, hit_ends, max_servable_hit, retained_chunks
 from tier_servers import TierServer, require_server
 
 pytest.importorskip("vllm")

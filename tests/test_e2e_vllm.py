@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemma4_kv.hf_layout import hf_layout
+from gemma4_kv.layout.from_hf import hf_layout
 from e2e_common import (CHUNK, check_against_plan, prompts, run_engine, run_mtp_case,
                         save_config, tiny_gemma4_config)
 

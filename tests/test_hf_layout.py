@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemma4_kv.cli import bundled_config, main
-from gemma4_kv.hf_layout import hf_layout, layer_specs, load_text_config
-from gemma4_kv.layout import AttentionKind
+from gemma4_kv.tools.cli import bundled_config, main
+from gemma4_kv.layout.from_hf import hf_layout, layer_specs, load_text_config
+from gemma4_kv.layout.groups import AttentionKind
 
 SHAPES = ["gemma4-31b-like", "gemma4-12b-like", "gemma4-e4b-like", "gemma4-e2b-like"]
 

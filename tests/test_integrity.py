@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from gemma4_kv import integrity
+from gemma4_kv.stores import integrity
 from paged import random_bits
 
 

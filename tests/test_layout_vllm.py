@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemma4_kv.harness import save_config, tiny_gemma4_config
-from gemma4_kv.hf_layout import hf_layout, layer_specs
-from gemma4_kv.layout import UnsupportedLayout, from_vllm
-from gemma4_kv.mover import BlockMoves, torch_gather, torch_scatter
+from gemma4_kv.tools.harness import save_config, tiny_gemma4_config
+from gemma4_kv.layout.from_hf import hf_layout, layer_specs
+from gemma4_kv.layout.groups import UnsupportedLayout, from_vllm
+from gemma4_kv.transfer.mover import BlockMoves, torch_gather, torch_scatter
 from paged import bits
 
 pytest.importorskip("vllm")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemma4_kv.mover import BlockMoves, torch_gather, torch_scatter
+from gemma4_kv.transfer.mover import BlockMoves, torch_gather, torch_scatter
 from paged import bits, make_paged, random_bits
 from test_mover import make_group
 

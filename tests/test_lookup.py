@@ -22,8 +22,8 @@ import msgspec
 import pytest
 
 import lookup_peer
-from gemma4_kv import protocol
-from gemma4_kv.lookup import (LookupClient, LookupServer, engine_core_pid, socket_address,
+from gemma4_kv.lookup import messages as protocol
+from gemma4_kv.lookup.channel import (LookupClient, LookupServer, engine_core_pid, socket_address,
                               socket_dir)
 
 PEER = str(Path(__file__).with_name("lookup_peer.py"))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemma4_kv.layout import AttentionKind, KVGroup
-from gemma4_kv.mover import (BlockMoves, gather, scatter, scatter_by_layer, torch_gather,
+from gemma4_kv.layout.groups import AttentionKind, KVGroup
+from gemma4_kv.transfer.mover import (BlockMoves, gather, scatter, scatter_by_layer, torch_gather,
                              torch_scatter)
 from paged import DTYPES, LAYOUTS, bits, make_paged, random_bits
 
@@ -183,7 +183,7 @@ def test_reference_rejects_mismatched_chunk():
 
 def test_moves_built_from_a_plan_drive_the_kernel():
     """The connector's path: ChunkBlocks -> BlockMoves -> kernel (flat index tensors)."""
-    from gemma4_kv.plan import ChunkBlocks
+    from gemma4_kv.layout.plan import ChunkBlocks
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     group = make_group(2, 2, 8, 16, torch.bfloat16)

@@ -19,15 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from gemma4_kv import integrity
-from gemma4_kv.keys import chunk_hashes, fingerprint
-from gemma4_kv.layout import AttentionKind, KVGroup, KVLayout
-from gemma4_kv.metrics import Gemma4KVStats
-from gemma4_kv.host_checks import check_tiers_reachable
-from gemma4_kv.settings import ConnectorSettings, SettingsError
-from gemma4_kv.tiers.mp_server import (MPServerTier, UnsupportedServer, object_slots,
+from gemma4_kv.stores import integrity
+from gemma4_kv.keys.engine import chunk_hashes, fingerprint
+from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
+from gemma4_kv.connector.metrics import Gemma4KVStats
+from gemma4_kv.config.host_checks import check_tiers_reachable
+from gemma4_kv.config.settings import ConnectorSettings, SettingsError
+from gemma4_kv.stores.server_tier import (MPServerTier, UnsupportedServer, object_slots,
                                        server_argv)
-from gemma4_kv.tiers.server_store import ServerStore
+from gemma4_kv.stores.server import ServerStore
 from lmcache_servers import ENV, Server, free_port
 from paged import bits, random_bits
 
@@ -406,7 +406,7 @@ def test_something_else_on_the_port_is_not_taken_for_a_server():
     worker turns this into a SettingsError naming lmcache_server, `worker.open_store`)."""
     import socket
 
-    from gemma4_kv.tiers.mp_server import ServerUnavailable
+    from gemma4_kv.stores.server_tier import ServerUnavailable
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

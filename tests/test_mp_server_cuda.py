@@ -13,9 +13,9 @@ import uuid
 import pytest
 import torch
 
-from gemma4_kv.layout import AttentionKind, KVGroup
-from gemma4_kv.mover import BlockMoves, gather, scatter_by_layer
-from gemma4_kv.tiers.mp_server import cuda_host_register
+from gemma4_kv.layout.groups import AttentionKind, KVGroup
+from gemma4_kv.transfer.mover import BlockMoves, gather, scatter_by_layer
+from gemma4_kv.stores.server_tier import cuda_host_register
 from paged import bits, make_paged
 
 pytestmark = pytest.mark.cuda

@@ -7,9 +7,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from gemma4_kv.layout import AttentionKind, KVGroup, KVLayout
-from gemma4_kv.hf_layout import hf_layout, load_text_config
-from gemma4_kv.plan import (NULL_BLOCK, chunk_blocks, hit_ends, load_blocks, max_servable_hit,
+from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
+from gemma4_kv.layout.from_hf import hf_layout, load_text_config
+from gemma4_kv.layout.plan import (NULL_BLOCK, chunk_blocks, hit_ends, load_blocks, max_servable_hit,
                             needed_blocks, retained_chunks, save_blocks, servable_hits)
 
 
@@ -167,7 +167,7 @@ def test_servable_hits_lists_every_end_in_descending_order():
 def test_retention_stores_a_third_of_the_dense_bytes_of_a_31b_shape():
     """31B-like groups (5 sliding of window 1024, 1 full), R = 4096, a 32K-token prompt:
     at most a third of the dense bytes per stored token."""
-    from gemma4_kv.cli import bundled_config
+    from gemma4_kv.tools.cli import bundled_config
 
     layout = hf_layout(load_text_config(bundled_config("gemma4-31b-like")),
                        dtype=torch.bfloat16, block_size=16)

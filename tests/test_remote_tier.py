@@ -20,10 +20,10 @@ import time
 import pytest
 import torch
 
-from gemma4_kv.keys import chunk_hashes, fingerprint
-from gemma4_kv.layout import AttentionKind, KVGroup, KVLayout
-from gemma4_kv.plan import hit_chunks, window_chunks
-from gemma4_kv.store import ChunkStore, Prefetch, StoreConfig
+from gemma4_kv.keys.engine import chunk_hashes, fingerprint
+from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
+from gemma4_kv.layout.plan import hit_chunks, window_chunks
+from gemma4_kv.stores.embedded import ChunkStore, Prefetch, StoreConfig
 from paged import bits
 from test_store import put as store_chunks
 from tier_servers import TierServer, require_server, tier_server  # noqa: F401  (fixture)

@@ -23,7 +23,7 @@ from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from gemma4_kv.request_keys import (  # noqa: E402
+from gemma4_kv.keys.request import (  # noqa: E402
     ChunkKeys, RequestKeyer, Uncacheable, chunk_keys)
 
 CHUNK = 256
@@ -373,13 +373,13 @@ def _engine_config(model_dir, **kw):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from gemma4_kv.harness import save_config, tiny_gemma4_config
+    from gemma4_kv.tools.harness import save_config, tiny_gemma4_config
 
     return save_config(tiny_gemma4_config(), tmp_path_factory.mktemp("model"))
 
 
 def test_engine_identity_names_what_changes_the_kv(model_dir):
-    from gemma4_kv.keys import engine_identity
+    from gemma4_kv.keys.engine import engine_identity
 
     base = engine_identity(_engine_config(model_dir))
     assert base.unsafe is None
@@ -403,7 +403,7 @@ def test_weights_signature_follows_the_weight_files(tmp_path, model_dir):
 
     from safetensors.torch import save_file
 
-    from gemma4_kv.keys import weights_signature
+    from gemma4_kv.keys.engine import weights_signature
 
     d = tmp_path / "ckpt"
     shutil.copytree(model_dir, d)
@@ -422,7 +422,7 @@ def test_layer_identity_covers_backend_dtype_and_kv_scales(model_dir):
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention
 
-    from gemma4_kv.keys import layer_identity
+    from gemma4_kv.keys.engine import layer_identity
 
     cfg = _engine_config(model_dir, kv_cache_dtype="fp8")
     name = "model.layers.0.self_attn.attn"
@@ -437,9 +437,9 @@ def test_layer_identity_covers_backend_dtype_and_kv_scales(model_dir):
 
 
 def test_fingerprint_takes_the_engine_identity():
-    from gemma4_kv.harness import tiny_gemma4_config
-    from gemma4_kv.hf_layout import hf_layout
-    from gemma4_kv.keys import fingerprint
+    from gemma4_kv.tools.harness import tiny_gemma4_config
+    from gemma4_kv.layout.from_hf import hf_layout
+    from gemma4_kv.keys.engine import fingerprint
 
     layout = hf_layout(tiny_gemma4_config(), dtype=torch.float32, block_size=32)
     old = fingerprint(layout, model="m", chunk_size=CHUNK)

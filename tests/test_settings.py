@@ -17,9 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gemma4_kv.host_checks import (cgroup_room, check_host_resources, check_tiers_reachable,
+from gemma4_kv.config.host_checks import (cgroup_room, check_host_resources, check_tiers_reachable,
                                    memory_headroom)
-from gemma4_kv.settings import GiB, ConnectorSettings, SettingsError, readme_table
+from gemma4_kv.config.settings import GiB, ConnectorSettings, SettingsError, readme_table
 
 parse = ConnectorSettings.from_extra_config
 README = Path(__file__).resolve().parents[1] / "README.md"

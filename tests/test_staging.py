@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemma4_kv.staging import StagingPool
+from gemma4_kv.transfer.staging import StagingPool
 
 
 class Flag:

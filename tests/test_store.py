@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from gemma4_kv import integrity
-from gemma4_kv.keys import chunk_hashes, fingerprint
-from gemma4_kv.layout import AttentionKind, KVGroup, KVLayout
-from gemma4_kv.store import ChunkStore, StoreConfig
+from gemma4_kv.stores import integrity
+from gemma4_kv.keys.engine import chunk_hashes, fingerprint
+from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
+from gemma4_kv.stores.embedded import ChunkStore, StoreConfig
 from paged import bits, random_bits
 
 CHUNK = 32
@@ -239,7 +239,7 @@ def test_object_of_unexpected_shape_is_never_read(store):
     put(store, [h], gen)
     wider = KVLayout((KVGroup(0, AttentionKind.SLIDING, 48, 16, 4, 16, 16, torch.bfloat16,
                               ("a", "b")), LAYOUT.groups[1]))
-    from gemma4_kv.store import object_layouts
+    from gemma4_kv.stores.embedded import object_layouts
 
     store._layouts = object_layouts(wider, CHUNK)
     assert store.pin([(h, 0), (h, 1)]) is None

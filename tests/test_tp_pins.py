@@ -11,14 +11,14 @@ import uuid
 import pytest
 import torch
 
-from gemma4_kv import protocol
-from gemma4_kv.keys import chunk_hashes, fingerprint
-from gemma4_kv.layout import AttentionKind, KVGroup, KVLayout
-from gemma4_kv.lookup import LookupClient, LookupServer, socket_address
-from gemma4_kv.lookups import LookupService
-from gemma4_kv.plan import hit_chunks
-from gemma4_kv.scheduler import lookup_all_ranks
-from gemma4_kv.store import ChunkStore, StoreConfig
+from gemma4_kv.lookup import messages as protocol
+from gemma4_kv.keys.engine import chunk_hashes, fingerprint
+from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
+from gemma4_kv.lookup.channel import LookupClient, LookupServer, socket_address
+from gemma4_kv.lookup.service import LookupService
+from gemma4_kv.layout.plan import hit_chunks
+from gemma4_kv.connector.scheduler import lookup_all_ranks
+from gemma4_kv.stores.embedded import ChunkStore, StoreConfig
 from test_store import put
 
 CHUNK = 64

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .layout import KVLayout
+from ..layout.groups import KVLayout
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "fp8": torch.float8_e4m3fn}
@@ -50,7 +50,7 @@ def format_layout(layout: KVLayout) -> str:
 
 
 def cmd_inspect(args) -> int:
-    from .hf_layout import hf_layout, load_text_config
+    from ..layout.from_hf import hf_layout, load_text_config
 
     path = args.config
     if not Path(path).exists() and not path.endswith(".json"):

@@ -22,14 +22,14 @@ import struct
 import time
 from dataclasses import dataclass, field
 
-from . import protocol
-from .keys import engine_identity
-from .layout import AttentionKind, from_vllm
-from .lookup import LookupClient, socket_address
+from ..lookup import messages as protocol
+from ..keys.engine import engine_identity
+from ..layout.groups import AttentionKind, from_vllm
+from ..lookup.channel import LookupClient, socket_address
 from .metadata import Gemma4KVMetadata, LoadRequest, SaveRequest, TouchRequest
-from .plan import check_chunk_size, hit_ends, retained_chunks
-from .request_keys import ChunkKeys, RequestKeyer, Uncacheable, mm_identifiers_are_content_hashes
-from .settings import ConnectorSettings
+from ..layout.plan import check_chunk_size, hit_ends, retained_chunks
+from ..keys.request import ChunkKeys, RequestKeyer, Uncacheable, mm_identifiers_are_content_hashes
+from ..config.settings import ConnectorSettings
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                               KVConnectorRole, SupportsHMA)
 
 from .metrics import Gemma4KVPromMetrics, Gemma4KVStats
-from .settings import ConnectorSettings
-from .store import set_lmcache_log_level
+from ..config.settings import ConnectorSettings
+from ..stores.embedded import set_lmcache_log_level
 
 
 class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):

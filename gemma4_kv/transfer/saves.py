@@ -15,9 +15,9 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from . import integrity
-from .metadata import SaveRequest, TouchRequest
-from .plan import save_blocks
+from ..stores import integrity
+from ..connector.metadata import SaveRequest, TouchRequest
+from ..layout.plan import save_blocks
 
 logger = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import integrity
-from ..layout import KVGroup, KVLayout
+from . import integrity
+from ..layout.groups import KVGroup, KVLayout
 
 logger = logging.getLogger(__name__)
 

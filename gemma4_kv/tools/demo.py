@@ -83,7 +83,7 @@ def main(argv=None) -> int:
 
     if args.shared:
         from .demo_shared import run
-        from .hf_layout import load_text_config
+        from ..layout.from_hf import load_text_config
 
         vocab = load_text_config(model).vocab_size
         rng = random.Random(0)

@@ -25,7 +25,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 
-from .store import StoreConfig
+from ..stores.embedded import StoreConfig
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from . import FORMAT_VERSION
-from .layout import KVLayout
+from .. import FORMAT_VERSION
+from ..layout.groups import KVLayout
 
 OBJECT_FORMAT = "KV_2LTD"
 

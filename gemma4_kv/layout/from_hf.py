@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .layout import AttentionKind, KVGroup, KVLayout, UnsupportedLayout
+from .groups import AttentionKind, KVGroup, KVLayout, UnsupportedLayout
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import KVGroup
-from .plan import ChunkBlocks
+from ..layout.groups import KVGroup
+from ..layout.plan import ChunkBlocks
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .layout import AttentionKind, KVGroup, KVLayout
+from .groups import AttentionKind, KVGroup, KVLayout
 
 NULL_BLOCK = 0
 """vLLM's null block: stands for freed (out-of-window) sliding-window blocks."""

@@ -17,10 +17,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import protocol
-from .layout import KVLayout
-from .plan import hit_chunks, servable_hits, window_chunks
-from .store import ChunkStore, Pinned, Prefetch
+from . import messages as protocol
+from ..layout.groups import KVLayout
+from ..layout.plan import hit_chunks, servable_hits, window_chunks
+from ..stores.embedded import ChunkStore, Pinned, Prefetch
 
 logger = logging.getLogger(__name__)
 

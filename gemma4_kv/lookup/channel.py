@@ -29,7 +29,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from . import protocol
+from . import messages as protocol
 
 logger = logging.getLogger(__name__)
 

@@ -29,10 +29,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .. import integrity
-from ..layout import KVLayout
-from ..store import ChunkKey, Pinned, Prefetch
-from .mp_server import Lookup, MPServerTier, ServerUnavailable, Write, _runs
+from . import integrity
+from ..layout.groups import KVLayout
+from .embedded import ChunkKey, Pinned, Prefetch
+from .server_tier import Lookup, MPServerTier, ServerUnavailable, Write, _runs
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ def run_engine(name: str, spec: dict, work: Path, spinner) -> dict:
     spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     with spinner(f"engine {name}: starting vLLM and running its prompts..."):
-        proc = subprocess.run([sys.executable, "-m", "gemma4_kv.harness", str(spec_path),
+        proc = subprocess.run([sys.executable, "-m", "gemma4_kv.tools.harness", str(spec_path),
                                str(out_path)], capture_output=True, text=True,
                               env=dict(os.environ, VLLM_LOGGING_LEVEL="ERROR"))
     if proc.returncode:

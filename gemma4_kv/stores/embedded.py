@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import integrity
-from .layout import KVLayout
+from ..layout.groups import KVLayout
 
 logger = logging.getLogger(__name__)
 

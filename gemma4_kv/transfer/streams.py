@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import integrity
-from .layout import KVGroup
+from ..stores import integrity
+from ..layout.groups import KVGroup
 from .mover import BlockMoves, gather, scatter, scatter_by_layer
-from .plan import ChunkBlocks
+from ..layout.plan import ChunkBlocks
 from .staging import StagingPool
 
 

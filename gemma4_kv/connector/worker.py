@@ -16,19 +16,19 @@ from collections import defaultdict
 
 import torch
 
-from .keys import engine_identity, fingerprint, layer_identity
-from .layout import from_vllm
-from .lookup import LookupServer, engine_core_pid, socket_address
-from .lookups import LookupService
+from ..keys.engine import engine_identity, fingerprint, layer_identity
+from ..layout.groups import from_vllm
+from ..lookup.channel import LookupServer, engine_core_pid, socket_address
+from ..lookup.service import LookupService
 from .metadata import Gemma4KVMetadata
 from .metrics import Gemma4KVStats, StatsFile
-from .plan import ChunkBlocks, load_blocks
-from .saves import Saver
-from .host_checks import check_host_resources, check_tiers_reachable
-from .settings import ConnectorSettings, SettingsError
-from .staging import StagingPool
-from .store import ChunkStore, set_lmcache_log_level
-from .transfer import Transfer
+from ..layout.plan import ChunkBlocks, load_blocks
+from ..transfer.saves import Saver
+from ..config.host_checks import check_host_resources, check_tiers_reachable
+from ..config.settings import ConnectorSettings, SettingsError
+from ..transfer.staging import StagingPool
+from ..stores.embedded import ChunkStore, set_lmcache_log_level
+from ..transfer.streams import Transfer
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +53,8 @@ def open_store(settings: ConnectorSettings, layout, fingerprint: str, chunk_size
     if settings.embedded_store:
         return ChunkStore(layout, fingerprint, chunk_size, settings.store_config(ranks=world),
                           kv_rank=rank, stats=stats)
-    from .tiers.mp_server import ServerUnavailable, UnsupportedServer
-    from .tiers.server_store import ServerStore
+    from ..stores.server_tier import ServerUnavailable, UnsupportedServer
+    from ..stores.server import ServerStore
 
     try:
         # The fingerprint names the rank: each rank registers groups of its own.

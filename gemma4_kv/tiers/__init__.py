@@ -1,1 +1,0 @@
-"""Storage tiers outside the worker process (a running `lmcache server`, ...)."""

@@ -1,0 +1,1 @@
+"""Tools: the command line, the demos and the engine harness the tests and benchmarks drive."""

@@ -1,0 +1,1 @@
+"""Data movement: kernels and streams that copy blocks, and loads and saves as jobs."""
