@@ -176,7 +176,7 @@ def empty_cpu_tier(worker) -> int:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     store = get_kv_transfer_group()._worker.store
-    store._sm.clear(force=False)
+    store.drop_l1()
     return store.usage()[0]
 
 

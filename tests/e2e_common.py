@@ -11,15 +11,36 @@ import subprocess
 import sys
 from collections import Counter
 
-from gemma4_kv.tools.harness import save_config, tiny_assistant_config, tiny_gemma4_config
+from gemma4_kv.tools.harness import save_config, tiny_gemma4_config
 from gemma4_kv.layout.from_hf import hf_layout
-from gemma4_kv.keys.engine import chunk_hashes
-from gemma4_kv.layout.plan import hit_ends, max_servable_hit, needed_blocks, retained_chunks
+from model_keys import chunk_hashes
+from gemma4_kv.layout.plan import hit_ends, needed_blocks, retained_chunks
+from model_keys import max_servable_hit
 
 CHUNK = 256
 RETENTION = 512
 """Sliding-window chunks are stored before prompt ends and every 512 tokens."""
 
+
+
+def tiny_assistant_config(target, *, layers: int = 4, hidden: int = 64):
+    """A Gemma 4 MTP assistant for `target` (its draft layers share target KV)."""
+    import transformers
+
+    sliding, full = target.per_layer_config[0], target.per_layer_config[-1]
+    text = transformers.Gemma4TextConfig(
+        vocab_size=target.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=sliding.num_key_value_heads, head_dim=sliding.head_dim,
+        global_head_dim=full.head_dim,
+        sliding_window=target.sliding_window,
+        layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
+        hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+        hidden_activation="gelu_pytorch_tanh")
+    cfg = transformers.Gemma4AssistantConfig(text_config=text,
+                                             backbone_hidden_size=target.hidden_size)
+    cfg.architectures = ["Gemma4AssistantForCausalLM"]
+    return cfg
 
 def prompts():
     rng = random.Random(0)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import os
 
-from gemma4_kv.layout.plan import hit_ends, max_servable_hit, retained_chunks
+from gemma4_kv.layout.plan import hit_ends, retained_chunks
+from model_keys import max_servable_hit
 from e2e_common import run_harness, stats_events
 
 

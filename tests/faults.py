@@ -3,7 +3,7 @@
 Every public function is a `collective_rpc` target: the harness's
 `{"call": "faults:<name>", "kwargs": {...}}` step runs `name(worker, **kwargs)` on each
 worker (tests/ is on the engine's PYTHONPATH). A fault wraps a method of the live
-connector's objects (`LookupService`, `ChunkStore`, LMCache's adapters) on the instance,
+connector's objects (`LookupService`, `EmbeddedStore`, LMCache's adapters) on the instance,
 or changes what they hold (L1 contents, disk files); `arm` installs it, `disarm` takes it
 off and returns what it did, so a test can show the fault really happened.
 
@@ -69,8 +69,10 @@ def _worker():
     return get_kv_transfer_group()._worker
 
 
-def _l1(store):
-    return store._sm._l1_manager
+def _lmcache(store):
+    """LMCache's StorageManager inside the store's adapter: faults reach into LMCache
+    itself (its L1's locks, its L2 adapters), which the store never exposes."""
+    return store.tier._sm
 
 
 def _hashes(tokens: list[int], chunk_size: int) -> list[bytes]:
@@ -109,8 +111,8 @@ def snapshot(worker, disk: str | None = None) -> dict:
 
     w = _worker()
     store, lookups = w.store, w.lookups
-    l1 = _l1(store)
-    status = l1.report_status()
+    status = store.tier.status()
+    l1 = _lmcache(store)._l1_manager
     with l1._lock:
         locked_bytes = sum(e.memory_obj.get_size() for e in l1._objects.values()
                            if e.read_lock.is_locked())
@@ -125,10 +127,12 @@ def snapshot(worker, disk: str | None = None) -> dict:
         "read_locked": status["read_locked_count"], "read_locked_bytes": locked_bytes,
         "write_locked": status["write_locked_count"],
         "staging": status["staging_object_count"], "staging_bytes": status["staging_bytes"],
-        "reserved": len(store._reserved), "inflight": len(store._inflight),
+        "tracked": len(store.capacity.tracked()), "ends": len(store.capacity.live_ends()),
+        "reserved": len(set(store.capacity.tracked()) - store.capacity._stored),
+        "inflight": len(store._inflight),
         "untrusted": sum(store._maybe_untrusted.values()), "bad": len(store._bad),
         "hits": len(lookups._hits), "pending": len(lookups._pending),
-        "saves_pending": len(w.saver._pending),
+        "saves_pending": len(w.saves),
         "counters": dict(_totals),
         "fillers": len(_armed.get("store_full", {}).get("keys", ())),
     }
@@ -155,12 +159,12 @@ def drop_l1(worker, timeout: float = 30.0) -> dict:
     t0 = time.monotonic()
     while True:
         store.poll()
-        before = _l1(store).report_status()
+        before = store.tier.status()
         if not before["read_locked_count"] or time.monotonic() > t0 + timeout:
             break
         time.sleep(0.05)
-    store._sm.clear(force=False)
-    after = _l1(store).report_status()
+    store.drop_l1()
+    after = store.tier.status()
     return {"before": before["total_object_count"], "after": after["total_object_count"],
             "read_locked": after["read_locked_count"],
             "waited": round(time.monotonic() - t0, 2)}
@@ -174,7 +178,7 @@ def wait_l2(worker, disk: str | None = None, port: int | None = None,
     store = _worker().store
     deadline = time.monotonic() + timeout
     while True:
-        want = _l1(store).report_status()["total_object_count"]
+        want = store.tier.status()["total_object_count"]
         have = _server_keys(port) if port else len(
             [p for p in Path(disk).rglob("*") if p.is_file() and p.stat().st_size > 0])
         if have >= want or time.monotonic() > deadline:
@@ -272,10 +276,12 @@ def _one_shot(state: dict) -> bool:
 def _evict_unlocked(store, state: dict, force: bool = False) -> None:
     """Everything in L1 that is not locked goes (with `force`, locked objects too: the
     negative control); counts what went and what stayed."""
-    l1 = _l1(store)
-    before = l1.report_status()["total_object_count"]
-    store._sm.clear(force=force)
-    after = l1.report_status()
+    before = store.tier.status()["total_object_count"]
+    if force:
+        _lmcache(store).clear(force=True)
+    else:
+        store.drop_l1()
+    after = store.tier.status()
     state["evicted"] = state.get("evicted", 0) + before - after["total_object_count"]
     state["kept_locked"] = after["read_locked_count"]
 
@@ -289,7 +295,7 @@ def _flood(store, state: dict) -> None:
             t = obj.get_tensor(i)
             t.fill_(float("nan") if t.is_floating_point() else -1)
     state["flooded_objects"] = state.get("flooded_objects", 0) + len(objs)
-    store._discard(list(objs))
+    store.tier.discard(list(objs))
 
 
 def _fill(store, namespace: str, leave: int = 0) -> dict:
@@ -298,7 +304,7 @@ def _fill(store, namespace: str, leave: int = 0) -> dict:
     back; {key: LMCache memory object}."""
     from lmcache.v1.distributed.api import ObjectKey
 
-    gid = min(store._groups, key=store._object_bytes)
+    gid = min(store._groups, key=lambda g: store._bytes[g])
     layout = store._layouts[gid]
     objs, n, size = {}, 0, 64
     while size:  # LMCache allocates a batch whole or not at all: halve it until 1 fails
@@ -306,12 +312,12 @@ def _fill(store, namespace: str, leave: int = 0) -> dict:
                            model_name=namespace, kv_rank=store.kv_rank, object_group_id=gid)
                  for i in range(size)]
         n += size
-        got = store._sm.reserve_write(batch, layout)
+        got = _lmcache(store).reserve_write(batch, layout)
         objs.update(got)
         if len(got) < len(batch):
             size //= 2
     for k in list(objs)[len(objs) - leave:] if leave else ():
-        store._discard([k])
+        store.tier.discard([k])
         del objs[k]
     return objs
 
@@ -358,7 +364,7 @@ def _arm_pin_fails(w, state):
 
 # LMCache's read of read-locked objects raises (after the pin took its locks)
 def _arm_read_raises(w, state):
-    sm = w.store._sm
+    sm = _lmcache(w.store)
 
     def make(original):
         def unsafe_read(*a, **kw):
@@ -373,7 +379,8 @@ def _arm_read_raises(w, state):
 def _fault_adapter(w):
     from lmcache.v1.distributed.l2_adapters.fault_inject_l2_adapter import FaultInjectL2Adapter
 
-    (adapter,) = [a for a in w.store._l2() if isinstance(a, FaultInjectL2Adapter)]
+    (adapter,) = [a for _, a in _lmcache(w.store).l2_adapters()
+                  if isinstance(a, FaultInjectL2Adapter)]
     return adapter
 
 
@@ -389,7 +396,7 @@ def _disarm_l2_load_fails(w, state):
 
 # the L2 tier answers lookups `delay` seconds late
 def _inner_adapter(w):
-    adapter = w.store._l2()[0]
+    adapter = _lmcache(w.store).l2_adapters()[0][1]
     return getattr(adapter, "_inner", adapter)
 
 
@@ -453,14 +460,14 @@ def _disarm_long_l2_backoff(w, state):
 
 # a worker rank that does not answer a lookup within the scheduler's RANK_TIMEOUT_S
 def _arm_silent_rank(w, state):
-    from gemma4_kv.lookup import messages as protocol
+    from gemma4_kv.lookup import messages
 
     lookups = w.lookups
     stall = state.get("stall", scheduler.RANK_TIMEOUT_S + 1.0)
 
     def make(original):
         def handle(msg):
-            if isinstance(msg, protocol.Lookup) and _one_shot(state):
+            if isinstance(msg, messages.Lookup) and _one_shot(state):
                 time.sleep(stall)
             return original(msg)
         return handle
@@ -490,7 +497,7 @@ def _arm_store_full(w, state):
 def _disarm_store_full(w, state):
     store = w.store
     state["used_before_release"] = store.usage()[0]
-    store._discard(state["keys"])
+    store.tier.discard(state["keys"])
     state["used_after_release"] = store.usage()[0]
 
 

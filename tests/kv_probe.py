@@ -81,13 +81,13 @@ class _Probe:
         self.counts = {"saved": 0, "loaded": 0, "steps": 0}
         self._save = None
         self._pending_loads = []
-        orig_saver_save, orig_transfer_save = cw.saver.save, cw.transfer.save
+        orig_saver_save, orig_transfer_save = cw.saves.submit, cw.saves.transfer.save
         orig_wait, orig_load = cw.wait_for_save, cw.start_load_kv
 
-        def saver_save(save):
-            self._save = save
+        def saver_save(job):
+            self._save = job.write
             try:
-                orig_saver_save(save)
+                orig_saver_save(job)
             finally:
                 self._save = None
 
@@ -115,7 +115,7 @@ class _Probe:
             self._pending_loads += meta.loads
             return orig_load(meta)
 
-        cw.saver.save, cw.transfer.save = saver_save, transfer_save
+        cw.saves.submit, cw.saves.transfer.save = saver_save, transfer_save
         cw.wait_for_save, cw.start_load_kv = wait_for_save, start_load_kv
 
     def _tokens(self, req_id: str) -> list[int] | None:
@@ -150,7 +150,7 @@ class _Probe:
         self.counts["loaded"] += 1
         for cb in load_blocks(self.layout, load.start, load.hit, self.cs, load.block_ids):
             group = self.layout.groups[cb.group_id]
-            tokens, live = read_chunk(group, self.cw.caches[group.group_id],
+            tokens, live = read_chunk(group, self.cw.saves.caches[group.group_id],
                                       self.num_blocks, cb)
             self._capture("load", load.req_id, group, cb, tokens, live)
 
@@ -162,7 +162,7 @@ class _Probe:
             if w["req"] not in running:
                 continue
             group, cb = w["group"], w["cb"]
-            tokens, live = read_chunk(group, self.cw.caches[group.group_id],
+            tokens, live = read_chunk(group, self.cw.saves.caches[group.group_id],
                                       self.num_blocks, cb)
             diff = (live != w["kv"]).flatten(2).any(-1)  # [K|V, layer, token]
             if diff.any():

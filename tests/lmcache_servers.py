@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gemma4_kv.stores.server_tier import server_argv
+from gemma4_kv.stores.server_wire import server_argv
 
 ENV = dict(os.environ, LMCACHE_DISABLE_BANNER="1", LMCACHE_TRACK_USAGE="false")
 

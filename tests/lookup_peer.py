@@ -39,12 +39,12 @@ def send_as(conn, uid: int, address: str, frames: list[bytes]) -> None:
 
 
 def serve(address: str) -> None:
-    from gemma4_kv.lookup import messages as protocol
+    from gemma4_kv.lookup import messages
     from gemma4_kv.lookup.channel import LookupServer
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    server = LookupServer(address, lambda msg: protocol.Done(ok=True))
+    server = LookupServer(address, lambda msg: messages.Done(ok=True))
     print("ready", flush=True)
     stop.wait()
     server.close()
@@ -54,7 +54,7 @@ def report_engine_core_pid(conn, backend: str) -> None:
     """Runs in a multiprocessing child, as a vLLM mp worker does."""
     from types import SimpleNamespace
 
-    from gemma4_kv.lookup.channel import engine_core_pid
+    from gemma4_kv.lookup.sockets import engine_core_pid
 
     pc = SimpleNamespace(distributed_executor_backend=backend, world_size=2,
                          world_size_across_dp=2, nnodes_within_dp=1)

@@ -26,9 +26,10 @@ import torch
 from e2e_common import CHUNK, RETENTION, prompts, run_harness, stats_events
 from eagle_draft import tiny_eagle3_config
 from gemma4_kv.tools.harness import save_config, tiny_gemma4_config
-from gemma4_kv.keys.engine import chunk_hashes
+from model_keys import chunk_hashes
 from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
-from gemma4_kv.layout.plan import hit_ends, max_servable_hit, needed_blocks, retained_chunks
+from gemma4_kv.layout.plan import hit_ends, needed_blocks, retained_chunks
+from model_keys import max_servable_hit
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm

@@ -125,6 +125,7 @@ def fault_script(disk: str) -> Script:
     # -- LMCache's read raises after the pin took its read locks ------------------------
     s.fault("read_raises", "read_raises")
     s.prompts("read_raises", "D")
+    s.call("read_raises:l2", "wait_l2", disk=disk)  # LMCache's disk writes hold read locks
     s.call("read_raises:snap", "snapshot")
     s.unfault("read_raises", "read_raises")
     s.prompts("read_raises:again", "D")  # at once: the rank was not taken for down
@@ -252,14 +253,14 @@ def test_damaged_disk_objects_are_misses_and_intact_ones_hit(runs):
     """A: chunk 2's full-attention object deleted: the hit stops at 512. B: chunk 1's
     truncated: no hit (a hit before 512 has no sliding windows stored). C: chunk 3's
     sliding object with 64 bytes flipped: rejected by its checksum (and deleted from
-    disk), so no hit: LMCache's prefix fetch brought up only the windows the longest
-    prefix needs (chunk 3's); the hit at 512 would need chunk 1's, which no fetch asks
-    for (a hit lost, not a wrong one). D and E intact: whole hits from disk."""
+    disk); LMCache's prefix fetch brought up only the windows the longest prefix needs
+    (chunk 3's), so the store asks the disk for what the next shorter hit needs (the
+    window before 512, retained for it) and C hits 512. D and E intact: whole hits."""
     assert len(result(runs, "damage")) == 3
-    assert cached(runs, "damaged") == [512, 0, 0, FULL, FULL]
+    assert cached(runs, "damaged") == [512, 0, 512, FULL, FULL]
     snap = result(runs, "after_damage")
     assert snap["counters"]["rejected_objects"] >= 1  # the flipped one, at least
-    assert snap["counters"]["hit_tokens_l2"] == 512 + 2 * FULL
+    assert snap["counters"]["hit_tokens_l2"] == 512 + 512 + 2 * FULL
 
 
 def test_l2_load_that_fails_is_a_miss(runs):
@@ -352,10 +353,15 @@ def test_full_store_saves_nothing_leaks_nothing_then_recovers(runs):
 
 
 def test_no_pin_reservation_or_prefetch_outlives_the_faults(runs):
+    """Nothing locked, reserved, pending or in flight is left; no object waits for a
+    verification that will not come; the store's account of what L1 holds is exactly
+    what LMCache holds; the known-bad set holds only objects that failed verification."""
     snap = result(runs, "final")
     assert snap["read_locked"] == 0 and snap["write_locked"] == 0 and snap["staging"] == 0
     assert snap["reserved"] == 0 and snap["hits"] == 0 and snap["pending"] == 0
-    assert snap["saves_pending"] == 0
+    assert snap["saves_pending"] == 0 and snap["inflight"] == 0 and snap["untrusted"] == 0
+    assert snap["tracked"] == snap["objects"]
+    assert snap["bad"] <= snap["counters"]["rejected_objects"]
 
 
 # -- a real remote tier frozen mid-run ------------------------------------------------------

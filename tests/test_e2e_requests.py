@@ -22,7 +22,7 @@ import torch
 
 from gemma4_kv.tools.harness import save_config, tiny_gemma4_config
 from gemma4_kv.layout.from_hf import hf_layout
-from gemma4_kv.keys.engine import chunk_hashes
+from model_keys import chunk_hashes
 from gemma4_kv.layout.plan import needed_blocks
 from e2e_common import saved_blocks
 from e2e_requests_common import counters, expected_store, run_steps, write_adapter
@@ -79,7 +79,7 @@ STEPS = [{"prompts": [PROMPTS[n][0] for n in BEFORE]},
          *({"prompts": [PROMPTS[n][0] for n in b], "batch": True} for b in BATCHES),
          {"prompts": [PROMPTS[n][0] for n in AFTER_BATCH]},
          {"metrics": True},
-         {"call": "gemma4_kv.tools.harness:perturb_weights"},
+         {"call": "engine_calls:perturb_weights"},
          {"reset": True},
          {"prompts": [PROMPTS[n][0] for n in AFTER]},
          {"metrics": True}]
@@ -249,7 +249,7 @@ def test_lmcache_per_request_logs_are_quiet(runs):
 # (setup.sh). So vLLM's scheduler-side `Request`s with real image identifiers (vLLM's
 # MultiModalHasher over two PIL images of one size) go through the connector's real
 # scheduler half, vLLM's KVCacheManager and block hasher, and the real worker-side
-# LookupService / ChunkStore behind the real lookup socket.
+# LookupService / EmbeddedStore behind the real lookup socket.
 
 BOI, EOI, IMAGE = 500, 501, 502
 IMAGE_LEN = 66  # boi + 64 soft tokens + eoi: what vLLM's Gemma 4 processor places
@@ -275,11 +275,12 @@ class SchedulerHalf:
         from gemma4_kv.layout.from_hf import layer_specs
         from gemma4_kv.keys.engine import fingerprint
         from gemma4_kv.layout.groups import from_vllm
-        from gemma4_kv.lookup.channel import LookupServer, socket_address
+        from gemma4_kv.lookup.channel import LookupServer
+        from gemma4_kv.lookup.sockets import socket_address
         from gemma4_kv.lookup.service import LookupService
         from gemma4_kv.connector.metrics import Gemma4KVStats
         from gemma4_kv.config.settings import ConnectorSettings
-        from gemma4_kv.stores.embedded import ChunkStore
+        from gemma4_kv.stores.factory import open_store
 
         extra = {"cpu_gb": 0.25, "retention_interval": RETENTION}
         vc = EngineArgs(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
@@ -304,9 +305,9 @@ class SchedulerHalf:
         self.block_hasher = get_request_block_hasher(self.hash_block, hash_fn)
         self.layout = from_vllm(self.kv_cache_config)
         settings = ConnectorSettings.from_extra_config(extra)
-        self.store = ChunkStore(self.layout, fingerprint(self.layout, model="tiny-mm",
-                                                         chunk_size=CHUNK),
-                                CHUNK, settings.store_config())
+        self.store = open_store(settings.store_config(), self.layout,
+                                fingerprint(self.layout, model="tiny-mm", chunk_size=CHUNK),
+                                CHUNK)
         self.lookups = LookupService(self.store, self.layout, CHUNK, 2.0, Gemma4KVStats())
         self.server = LookupServer(
             socket_address(vc.kv_transfer_config.engine_id, os.getpid(), 0),
@@ -357,9 +358,12 @@ class SchedulerHalf:
             for cb in load_blocks(self.layout, load.start, load.hit, CHUNK, load.block_ids):
                 assert (load.hashes[cb.chunk], cb.group_id) in pinned.pinned.views
             self.lookups.done(pinned)
+        for job in meta.finished:  # requests of earlier steps
+            self.store.on_request_finished(job.req_id)
         for save in meta.saves:
             self._put(save)
-            self.saved[save.req_id] = list(save.hashes)
+            w = save.write
+            self.saved[w.req_id] = list(w.chain[w.first:w.first + len(w.groups)])
         req.num_computed_tokens = req.num_tokens
         self.connector.request_finished_all_groups(req, block_ids)
         self.kvm.free(req)
@@ -368,12 +372,11 @@ class SchedulerHalf:
     def _put(self, save):
         from gemma4_kv.stores import integrity
 
-        objects = self.store.reserve(list(zip(save.hashes, save.groups)))
-        for kv, trailer, key in objects.values():
+        res = self.store.reserve(save.write)
+        for kv, trailer, key in res.objects.values():
             kv.copy_(torch.randn(kv.shape, generator=self._gen).to(kv.dtype))
             integrity.seal(kv, trailer, key)
-        for h in save.hashes:
-            self.store.commit(h)
+        self.store.commit(res)
 
     def close(self):
         self.connector.shutdown()
@@ -444,15 +447,17 @@ def test_multimodal_items_through_the_scheduler_half(tmp_path):
 def test_lmcache_log_level_is_what_silences_its_per_lookup_lines():
     """Control for test_lmcache_per_request_logs_are_quiet: LMCache does log a
     "Prefetch request completed" INFO line for every L1 lookup with a hit (the
-    connector's `ChunkStore.resident`), and `set_lmcache_log_level` is what silences it.
+    connector's `EmbeddedStore.resident`), and `lmcache.set_log_level` is what silences it.
     (In the engine too: the script above with lmcache_log_level INFO prints dozens.)"""
     import logging
 
     from gemma4_kv.stores import integrity
-    from gemma4_kv.stores.embedded import ChunkStore, StoreConfig, set_lmcache_log_level
+    from gemma4_kv.stores.base import HIGH, ChunkWrite
+    from gemma4_kv.stores.embedded import EmbeddedStore, StoreConfig
+    from gemma4_kv.stores.lmcache import set_log_level
 
     layout = hf_layout(tiny_gemma4_config(window=100), dtype=torch.float32, block_size=BLOCK)
-    store = ChunkStore(layout, "log-control", CHUNK, StoreConfig(cpu_bytes=64 << 20))
+    store = EmbeddedStore(layout, "log-control", CHUNK, StoreConfig(cpu_bytes=64 << 20))
     lm = [l for n, l in logging.Logger.manager.loggerDict.items()
           if n.startswith("lmcache") and isinstance(l, logging.Logger)]
     saved = [(l, l.level, [(h, h.level) for h in l.handlers]) for l in lm]
@@ -468,14 +473,15 @@ def test_lmcache_log_level_is_what_silences_its_per_lookup_lines():
     sm_logger.addHandler(keep)
     try:
         h = chunk_hashes(P, CHUNK)[:1]
-        objects = store.reserve([(h[0], [g.group_id for g in layout.groups])])
-        for kv, trailer, key in objects.values():
+        res = store.reserve(ChunkWrite("log", h, 0, [tuple(g.group_id for g in layout.groups)],
+                                       [(CHUNK, HIGH)]))
+        for kv, trailer, key in res.objects.values():
             kv.zero_()
             integrity.seal(kv, trailer, key)
-        store.commit(h[0])
+        store.commit(res)
         seen = {}
         for level in ("INFO", "WARNING"):
-            set_lmcache_log_level(level)
+            set_log_level(level)
             records.clear()
             assert store.resident(h) == {g.group_id: {0} for g in layout.groups}
             seen[level] = [r for r in records if r.startswith("Prefetch request completed")]

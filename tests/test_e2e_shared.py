@@ -26,7 +26,8 @@ from e2e_common import (CHUNK, RETENTION, check_against_plan, expected_store, pr
                         run_engine, save_config, tiny_gemma4_config)
 from gemma4_kv.layout.from_hf import hf_layout
 from gemma4_kv.keys.request import chunk_keys
-from gemma4_kv.layout.plan import hit_chunks, hit_ends, max_servable_hit, retained_chunks
+from gemma4_kv.layout.plan import hit_chunks, hit_ends, retained_chunks
+from model_keys import max_servable_hit
 from tier_servers import TierServer, require_server
 
 pytest.importorskip("vllm")
@@ -77,7 +78,7 @@ def rendezvous(worker, marker_dir: str, name: str, drop_cpu_tier: bool = False) 
         time.sleep(0.02)
     store = get_kv_transfer_group()._worker.store
     if drop_cpu_tier:
-        store._sm.clear(force=False)
+        store.drop_l1()
     return store.usage()[0]
 
 

@@ -22,12 +22,12 @@ import msgspec
 import pytest
 
 import lookup_peer
-from gemma4_kv.lookup import messages as protocol
-from gemma4_kv.lookup.channel import (LookupClient, LookupServer, engine_core_pid, socket_address,
-                              socket_dir)
+from gemma4_kv.lookup import messages
+from gemma4_kv.lookup.channel import LookupClient, LookupServer
+from gemma4_kv.lookup.sockets import engine_core_pid, socket_address, socket_dir
 
 PEER = str(Path(__file__).with_name("lookup_peer.py"))
-LOOKUP = protocol.Lookup("req-1", [b"\x01" * 32], 0, 256)
+LOOKUP = messages.Lookup("req-1", [b"\x01" * 32], 0, 256)
 RID = (1 << 40).to_bytes(8, "big")
 
 
@@ -66,8 +66,8 @@ def start_peer_server(address: str) -> subprocess.Popen:
     return proc
 
 
-def pinned(n: int) -> protocol.LookupReply:
-    return protocol.LookupReply(pinned=n, candidates=[n])
+def pinned(n: int) -> messages.LookupReply:
+    return messages.LookupReply(pinned=n, candidates=[n])
 
 
 # -- requests and replies -----------------------------------------------------------------
@@ -103,22 +103,22 @@ def test_a_failing_or_silent_rank_is_a_miss_and_the_client_recovers(rundir):
             raise RuntimeError("store closed")
         if mode["how"] == "wrong type":
             return 7
-        return protocol.Done(ok=True)
+        return messages.Done(ok=True)
 
     good = LookupServer(socket_address("f", os.getpid(), 0), handle)
     silent = socket_address("f", os.getpid(), 1)  # nobody serves this rank yet
     client = LookupClient([good.address, silent], timeout_ms=300)
     late = None
     try:
-        assert client.ask_all(protocol.Release("r")) is None
+        assert client.ask_all(messages.Release("r")) is None
         late = LookupServer(silent, handle)
         client.timeout_ms = 20_000
-        assert client.ask_all(protocol.Release("r")) == [protocol.Done(ok=True)] * 2
+        assert client.ask_all(messages.Release("r")) == [messages.Done(ok=True)] * 2
         for how in ("raise", "wrong type"):
             mode["how"] = how
-            assert client.ask_all(protocol.Release("r")) is None
+            assert client.ask_all(messages.Release("r")) is None
         mode["how"] = "ok"
-        assert client.ask_all(protocol.Reset()) == [protocol.Done(ok=True)] * 2
+        assert client.ask_all(messages.Reset()) == [messages.Done(ok=True)] * 2
     finally:
         client.close()
         good.close()
@@ -133,18 +133,18 @@ def test_telling_a_silent_rank_does_not_wait_and_it_is_handled_in_order(rundir):
         seen.append(type(msg).__name__)
         if len(seen) == 1:
             busy.wait(30)  # the first message holds the rank up
-        return protocol.Done(ok=True)
+        return messages.Done(ok=True)
 
     server = LookupServer(socket_address("tell", os.getpid(), 0), handle)
     client = LookupClient([server.address], timeout_ms=200)
     try:
-        assert client.ask_all(protocol.Release("a")) is None  # the rank is silent
+        assert client.ask_all(messages.Release("a")) is None  # the rank is silent
         t0 = time.monotonic()
-        client.tell_all(protocol.Release("a"))
+        client.tell_all(messages.Release("a"))
         assert time.monotonic() - t0 < 0.1
         busy.set()
         client.timeout_ms = 20_000
-        assert client.ask_all(protocol.Reset()) == [protocol.Done(ok=True)]
+        assert client.ask_all(messages.Reset()) == [messages.Done(ok=True)]
         assert seen == ["Release", "Release", "Reset"]
     finally:
         client.close()
@@ -164,10 +164,10 @@ def test_a_late_reply_is_never_the_answer_to_the_next_request(rundir):
     server = LookupServer(socket_address("late", os.getpid(), 0), handle)
     client = LookupClient([server.address], timeout_ms=200)
     try:
-        assert client.ask_all(protocol.Lookup("a", [], 0, 111)) is None
+        assert client.ask_all(messages.Lookup("a", [], 0, 111)) is None
         release_first.set()  # its reply (111) now arrives before the next one's
         client.timeout_ms = 20_000
-        assert client.ask_all(protocol.Lookup("b", [], 0, 222)) == [pinned(222)]
+        assert client.ask_all(messages.Lookup("b", [], 0, 222)) == [pinned(222)]
         assert calls == [111, 222]
     finally:
         client.close()
@@ -199,7 +199,7 @@ FOREIGN = {
     "msgpack, not our type": ("dealer", lambda p, v: [RID, msgspec.msgpack.encode(
         {"type": "Exec", "cmd": "touch"})]),
     "one of our replies, not a request": ("dealer", lambda p, v: [RID, msgspec.msgpack.encode(
-        protocol.Done(ok=True))]),
+        messages.Done(ok=True))]),
     "a Lookup with a wrong field type": ("dealer", lambda p, v: [RID, msgspec.msgpack.encode(
         {"type": "Lookup", "req_id": 1, "hashes": [], "start": 0, "limit": 1})]),
     "garbage bytes": ("dealer", lambda p, v: [RID, b"\xc1\xff\x00garbage"]),
@@ -216,7 +216,7 @@ def test_a_foreign_message_runs_nothing_gets_no_answer_and_serving_goes_on(
     marker = tmp_path / "ran"
     seen = []
     server = LookupServer(socket_address("x", os.getpid(), 0),
-                          lambda msg: seen.append(msg) or protocol.Done(ok=True))
+                          lambda msg: seen.append(msg) or messages.Done(ok=True))
     client = LookupClient([server.address], timeout_ms=20_000)
     kind, frames = FOREIGN[case]
     try:
@@ -225,7 +225,7 @@ def test_a_foreign_message_runs_nothing_gets_no_answer_and_serving_goes_on(
         wait_until(lambda: server.dropped == 1, "the server dropped the message")
         assert not marker.exists() and seen == []
         assert "not a lookup request" in caplog.text
-        assert client.ask_all(LOOKUP) == [protocol.Done(ok=True)]
+        assert client.ask_all(LOOKUP) == [messages.Done(ok=True)]
         assert seen == [LOOKUP]
         # and the same peer, speaking our protocol, is answered: it was the message
         assert peer_send(server.address, [RID, msgspec.msgpack.encode(LOOKUP)]) == "answered"
@@ -243,7 +243,7 @@ def test_directory_and_socket_are_private_even_under_umask_0(rundir):
     old = os.umask(0)
     try:
         server = LookupServer(socket_address("u", os.getpid(), 0),
-                              lambda msg: protocol.Done(ok=True))
+                              lambda msg: messages.Done(ok=True))
     finally:
         os.umask(old)
     try:
@@ -335,13 +335,13 @@ def test_a_second_server_cannot_take_a_live_engines_socket(rundir):
     client = LookupClient([address], timeout_ms=20_000)
     try:
         with pytest.raises(RuntimeError, match=f"{path} is served by another live engine"):
-            LookupServer(address, lambda msg: protocol.Done(ok=False))
-        assert client.ask_all(LOOKUP) == [protocol.Done(ok=True)]  # still the first one
+            LookupServer(address, lambda msg: messages.Done(ok=False))
+        assert client.ask_all(LOOKUP) == [messages.Done(ok=True)]  # still the first one
         first.send_signal(signal.SIGTERM)
         assert first.wait(30) == 0
         assert not os.path.exists(path) and not os.path.exists(path + ".lock")
-        with LookupServer(address, lambda msg: protocol.Done(ok=False)) as second:
-            assert client.ask_all(LOOKUP) == [protocol.Done(ok=False)]
+        with LookupServer(address, lambda msg: messages.Done(ok=False)) as second:
+            assert client.ask_all(LOOKUP) == [messages.Done(ok=False)]
             second.close()  # idempotent
         assert not os.path.exists(path) and not os.path.exists(path + ".lock")
     finally:
@@ -357,10 +357,10 @@ def test_a_dead_engines_socket_is_replaced(rundir):
     first.kill()  # no clean-up: the files stay, the lock goes with the process
     first.wait()
     assert os.path.exists(path) and os.path.exists(path + ".lock")
-    with LookupServer(address, lambda msg: protocol.Done(ok=True)) as server:
+    with LookupServer(address, lambda msg: messages.Done(ok=True)) as server:
         client = LookupClient([server.address], timeout_ms=20_000)
         try:
-            assert client.ask_all(LOOKUP) == [protocol.Done(ok=True)]
+            assert client.ask_all(LOOKUP) == [messages.Done(ok=True)]
         finally:
             client.close()
 

@@ -20,13 +20,17 @@ import pytest
 import torch
 
 from gemma4_kv.stores import integrity
-from gemma4_kv.keys.engine import chunk_hashes, fingerprint
+from gemma4_kv.keys.engine import fingerprint
+from model_keys import chunk_hashes
 from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
+from gemma4_kv.layout.plan import hit_chunks
+from gemma4_kv.stores.base import ChunkWrite
 from gemma4_kv.connector.metrics import Gemma4KVStats
 from gemma4_kv.config.host_checks import check_tiers_reachable
 from gemma4_kv.config.settings import ConnectorSettings, SettingsError
-from gemma4_kv.stores.server_tier import (MPServerTier, UnsupportedServer, object_slots,
-                                       server_argv)
+from gemma4_kv.stores.server_shm import UnsupportedServer
+from gemma4_kv.stores.server_tier import MPServerTier
+from gemma4_kv.stores.server_wire import object_slots, server_argv
 from gemma4_kv.stores.server import ServerStore
 from lmcache_servers import ENV, Server, free_port
 from paged import bits, random_bits
@@ -72,20 +76,19 @@ def put(store: ServerStore, seed: int, chunks: int, groups=(0, 1, 2), seal: bool
     """Store chunks 0..chunks-1 of prompt `seed` as the Saver does; returns what was
     reserved as sorted (chunk, group)."""
     hashes = chunk_hashes(tokens_of(seed, chunks), CHUNK)
-    objects = store.reserve([(h, groups) for h in hashes], hashes)
+    res = store.reserve(ChunkWrite("put", hashes, 0, [groups] * chunks))
     index = {h: i for i, h in enumerate(hashes)}
-    for (h, g), (kv, trailer, key) in objects.items():
+    for (h, g), (kv, trailer, key) in res.objects.items():
         kv.copy_(payload((index[h], g), kv, seed))
         if seal:
             integrity.seal(kv, trailer, key)
-    for h in {h for h, _ in objects}:
-        store.commit(h)
-    return sorted((index[h], g) for h, g in objects)
+    store.commit(res)
+    return sorted((index[h], g) for h, g in res.objects)
 
 
 def lookup(store: ServerStore, hashes) -> dict[int, set[int]]:
     """What the lookup service sees: a prefetch, polled until settled, then resident."""
-    p = store.start_prefetch(hashes, {})
+    p = store.start_prefetch(hashes, 0, len(hashes) * CHUNK)
     deadline = time.monotonic() + 10
     while not p.finished:
         assert time.monotonic() < deadline
@@ -94,15 +97,21 @@ def lookup(store: ServerStore, hashes) -> dict[int, set[int]]:
     return store.resident(hashes)
 
 
-def read_back(store: ServerStore, seed: int, chunks: int, wanted):
+def cells(start: int, hit: int) -> list[tuple[int, int]]:
+    """(chunk, group) of the objects a hit of tokens [start, hit) reads."""
+    return [(c, g) for g, c in hit_chunks(LAYOUT, start, hit, CHUNK)]
+
+
+def read_back(store: ServerStore, seed: int, chunks: int):
     """(present per group, pinned?, bit-exact?) of a window-aware hit on prompt `seed`."""
     hashes = chunk_hashes(tokens_of(seed, chunks), CHUNK)
     present = lookup(store, hashes)
-    pinned = store.pin([(hashes[c], g) for c, g in wanted], hashes)
-    exact = pinned is not None and all(
+    pinned = store.pin(hashes, 0, chunks * CHUNK)
+    exact = pinned is not None and set(pinned.views) == {
+        (hashes[c], g) for c, g in cells(0, chunks * CHUNK)} and all(
         torch.equal(bits(pinned.views[(hashes[c], g)]),
                     bits(payload((c, g), pinned.views[(hashes[c], g)], seed)))
-        for c, g in wanted)
+        for c, g in cells(0, chunks * CHUNK))
     store.release(pinned)
     return {g: sorted(c) for g, c in present.items()}, pinned is not None, exact
 
@@ -120,11 +129,13 @@ def test_one_client_stores_another_reads_bit_exact(server):
     writer = open_store(server.url)
     assert put(writer, 1, 3) == [(c, g) for c in range(3) for g in range(3)]
     writer.close()
-    # A window-aware hit of 3 chunks: the sliding groups need only their last chunks.
-    wanted = [(2, 0), (1, 1), (2, 1), (0, 2), (1, 2), (2, 2)]
+    # A window-aware hit of 192 tokens: group 0 (window 128) needs tokens 65-191, its
+    # chunks 1-2; group 1 (window 256) and group 2 (full) every chunk.
+    assert sorted(cells(0, 192)) == sorted([(1, 0), (2, 0)] + [(c, g) for c in range(3)
+                                                                for g in (1, 2)])
     store = open_store(server.url)
     try:
-        present, pinned, exact = read_back(store, 1, 3, wanted)
+        present, pinned, exact = read_back(store, 1, 3)
     finally:
         store.close()
     assert present == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
@@ -139,16 +150,16 @@ def test_a_hit_holds_only_what_it_loads(server):
         hashes = chunk_hashes(tokens_of(2, 4), CHUNK)
         assert lookup(store, hashes) == {g: {0, 1, 2, 3} for g in range(3)}
         assert server.locks()[0] == 12  # the settled lookup holds its locks for the pin
-        wanted = [(3, 0), (2, 1), (3, 1)] + [(c, 2) for c in range(4)]
-        pinned = store.pin([(hashes[c], g) for c, g in wanted], hashes)
+        wanted = cells(0, 256)
+        pinned = store.pin(hashes, 0, 256)
         assert pinned is not None
-        assert server.locks()[0] == len(wanted)  # the other 5 were freed
+        assert server.locks()[0] == len(wanted) < 12  # the others were freed
         store.release(pinned)
         assert server.locks() == (0, 0, 0)
         # Without a settled lookup a pin looks up itself; beyond what is stored: None.
         longer = hashes + chunk_hashes(tokens_of(9, 1), CHUNK)
-        assert store.pin([(longer[4], 2)], longer) is None
-        pinned = store.pin([(hashes[0], 2)], hashes)
+        assert store.pin(longer, 256, 320) is None
+        pinned = store.pin(hashes, 0, 64)
         assert pinned is not None
         store.release(pinned)
         assert server.locks() == (0, 0, 0)
@@ -163,13 +174,12 @@ def test_requests_with_one_prefix_each_get_their_own_lookup(server):
     try:
         put(store, 11, 2)
         hashes = chunk_hashes(tokens_of(11, 2), CHUNK)
-        a, b = store.start_prefetch(hashes, {}), store.start_prefetch(hashes, {})
+        a, b = store.start_prefetch(hashes, 0, 128), store.start_prefetch(hashes, 0, 128)
         while not (a.finished and b.finished):
             store.poll()
             time.sleep(0.002)
         assert server.locks()[0] == 6  # 2 chunks x 3 groups, each locked twice
-        cells = [(hashes[1], g) for g in range(3)] + [(hashes[0], 2)]
-        pins = [store.pin(cells, hashes) for _ in range(2)]
+        pins = [store.pin(hashes, 0, 128) for _ in range(2)]
         assert all(pins) and not store._ready
         for pin in pins:
             store.release(pin)
@@ -207,14 +217,13 @@ def test_presence_is_a_prefix_on_lmcache_056(server):
     store = open_store(server.url)
     try:
         hashes = chunk_hashes(tokens_of(4, 3), CHUNK)
-        objects = store.reserve([(h, (0, 1, 2)) for h in hashes[1:]], hashes)
-        assert sorted(objects) == sorted((h, g) for h in hashes[1:] for g in range(3))
-        for (h, g), (kv, trailer, key) in objects.items():
+        res = store.reserve(ChunkWrite("gap", hashes, 1, [(0, 1, 2)] * 2))
+        assert sorted(res.objects) == sorted((h, g) for h in hashes[1:] for g in range(3))
+        for (h, g), (kv, trailer, key) in res.objects.items():
             integrity.seal(kv, trailer, key)
-        for h in hashes[1:]:
-            store.commit(h)
+        store.commit(res)
         assert lookup(store, hashes) == NONE
-        assert store.pin([(hashes[2], 0)], hashes) is None
+        assert store.pin(hashes, 128, 192) is None
         store.poll()
         assert server.locks() == (0, 0, 0)
     finally:
@@ -238,8 +247,8 @@ def test_unfinished_writes_made_visible_are_never_offered(server):
     verifies every object it reads and never offers a bad one."""
     crashed = open_store(server.url)
     hashes = chunk_hashes(tokens_of(6, 2), CHUNK)
-    objects = crashed.reserve([(h, (0, 1, 2)) for h in hashes], hashes)
-    for (h, g), (kv, trailer, key) in objects.items():
+    res = crashed.reserve(ChunkWrite("crashed", hashes, 0, [(0, 1, 2)] * 2))
+    for (h, g), (kv, trailer, key) in res.objects.items():
         kv.copy_(payload((hashes.index(h), g), kv, 6))  # filled, never sealed or committed
         if h == hashes[0]:
             integrity.seal(kv, trailer, key)
@@ -249,11 +258,12 @@ def test_unfinished_writes_made_visible_are_never_offered(server):
     reader = open_store(server.url, stats=Gemma4KVStats())
     try:
         assert lookup(reader, hashes) == {g: {0, 1} for g in range(3)}  # the server says so
-        assert reader.pin([(hashes[1], 2)], hashes) is None
-        assert reader.stats.take().data["rejected_objects"] == 1
-        # Known bad from now on: the group's run ends before it.
-        assert lookup(reader, hashes) == {g: {0, 1} for g in (0, 1)} | {2: {0}}
-        good = reader.pin([(hashes[0], g) for g in range(3)], hashes)  # sealed: offered
+        assert sorted(cells(64, 128)) == [(1, 0), (1, 1), (1, 2)]
+        assert reader.pin(hashes, 64, 128) is None
+        assert reader.stats.take().data["rejected_objects"] == 3
+        # Known bad from now on: every group's run ends before them.
+        assert lookup(reader, hashes) == {g: {0} for g in range(3)}
+        good = reader.pin(hashes, 0, 64)  # sealed: offered
         assert good is not None
         reader.release(good)
         reader.poll()
@@ -273,7 +283,7 @@ def test_reset_makes_this_engines_objects_unreachable_to_it_only(server):
         assert lookup(b, hashes) == {g: {0, 1} for g in range(3)}
         assert put(a, 7, 2) == [(c, g) for c in range(2) for g in range(3)]  # stored anew
         assert lookup(a, hashes) == {g: {0, 1} for g in range(3)}
-        pinned = a.pin([(hashes[1], g) for g in range(3)], hashes)
+        pinned = a.pin(hashes, 64, 128)
         assert pinned is not None
         a.release(pinned)
     finally:
@@ -287,7 +297,7 @@ def test_zz_unfilled_reservations_are_never_committed_by_close(server):
     on the module's server until its TTL.)"""
     store = open_store(server.url)
     hashes = chunk_hashes(tokens_of(10, 1), CHUNK)
-    assert store.reserve([(hashes[0], (0, 1, 2))], hashes)
+    assert store.reserve(ChunkWrite("zz", hashes, 0, [(0, 1, 2)])).objects
     store.close()
     probe = open_store(server.url)
     try:
@@ -303,17 +313,17 @@ def test_zzz_killed_server_fails_fast_and_a_restarted_one_is_used_again(server):
         store = open_store(s.url, ping_interval_s=0.5)
         put(store, 8, 2)
         hashes = chunk_hashes(tokens_of(8, 2), CHUNK)
-        held = store.pin([(hashes[1], g) for g in range(3)], hashes)  # a load in flight
+        held = store.pin(hashes, 64, 128)  # a load in flight
         assert held is not None
         s.kill()
         t0 = time.monotonic()
-        p = store.start_prefetch(hashes, {})
+        p = store.start_prefetch(hashes, 0, 128)
         while not p.finished:
             store.poll()
             time.sleep(0.01)
         assert store.resident(hashes) == NONE
-        assert store.pin([(hashes[0], 2)], hashes) is None
-        assert store.reserve([(h, (0, 1, 2)) for h in hashes], hashes) == {}
+        assert store.pin(hashes, 0, 64) is None
+        assert store.reserve(ChunkWrite("down", hashes, 0, [(0, 1, 2)] * 2)).objects == {}
         assert not store.has_l2  # lookups are answered from nothing, without asking
         assert time.monotonic() - t0 < DOWN_BOUND
         s.restart()  # a new process: new L1 segment, no registrations
@@ -331,7 +341,7 @@ def test_zzz_killed_server_fails_fast_and_a_restarted_one_is_used_again(server):
         assert put(store, 8, 2) == [(c, g) for c in range(2) for g in range(3)]
         reader = open_store(s.url)
         try:
-            present, pinned, exact = read_back(reader, 8, 2, [(1, 0), (1, 1), (0, 2), (1, 2)])
+            present, pinned, exact = read_back(reader, 8, 2)
         finally:
             reader.close()
         assert present == {0: [0, 1], 1: [0, 1], 2: [0, 1]} and pinned and exact
@@ -406,7 +416,7 @@ def test_something_else_on_the_port_is_not_taken_for_a_server():
     worker turns this into a SettingsError naming lmcache_server, `worker.open_store`)."""
     import socket
 
-    from gemma4_kv.stores.server_tier import ServerUnavailable
+    from gemma4_kv.stores.server_wire import ServerUnavailable
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

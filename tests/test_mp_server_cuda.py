@@ -1,7 +1,7 @@
 """The server's L1 as our GPU kernels use it (`MPServerTier(cuda_register=True)`): a
 /dev/shm mapping registered with cudaHostRegister, written by the gather kernel (saves
 without staging room) and read layer by layer by the load kernel through UVA, as pinned
-memory. No server process is needed: the mapping is made the way `MPServerTier._map`
+memory. No server process is needed: the mapping is made the way `SharedL1.map`
 makes it."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from gemma4_kv.layout.groups import AttentionKind, KVGroup
 from gemma4_kv.transfer.mover import BlockMoves, gather, scatter_by_layer
-from gemma4_kv.stores.server_tier import cuda_host_register
+from gemma4_kv.stores.server_shm import cuda_host_register
 from paged import bits, make_paged
 
 pytestmark = pytest.mark.cuda

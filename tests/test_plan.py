@@ -9,8 +9,9 @@ from hypothesis import given, settings, strategies as st
 
 from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
 from gemma4_kv.layout.from_hf import hf_layout, load_text_config
-from gemma4_kv.layout.plan import (NULL_BLOCK, chunk_blocks, hit_ends, load_blocks, max_servable_hit,
-                            needed_blocks, retained_chunks, save_blocks, servable_hits)
+from gemma4_kv.layout.plan import (NULL_BLOCK, chunk_blocks, hit_ends, load_blocks,
+                                   needed_blocks, retained_chunks, save_blocks, servable_hits)
+from model_keys import max_servable_hit
 
 
 @st.composite

@@ -1,6 +1,6 @@
 """LMCache's `valkey` L2 tier against a real Redis/Valkey server that the tests start.
 
-Through the ChunkStore API the connector uses (reserve/seal/commit, start_prefetch/poll,
+Through the store API the connector uses (reserve/seal/commit, start_prefetch/poll,
 resident, pin/release): one process stores, a fresh process (empty CPU tier) serves it
 bit-exact, stores of another fingerprint, TP rank or key_prefix see nothing. Then the
 server goes away (killed, frozen) and comes back, fills up (its maxmemory policy), or
@@ -20,12 +20,14 @@ import time
 import pytest
 import torch
 
-from gemma4_kv.keys.engine import chunk_hashes, fingerprint
+from gemma4_kv.keys.engine import fingerprint
+from model_keys import chunk_hashes
 from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
-from gemma4_kv.layout.plan import hit_chunks, window_chunks
-from gemma4_kv.stores.embedded import ChunkStore, Prefetch, StoreConfig
+from gemma4_kv.layout.plan import hit_chunks
+from gemma4_kv.stores.base import HIGH, LOW, Prefetch
+from gemma4_kv.stores.embedded import EmbeddedStore, StoreConfig
 from paged import bits
-from test_store import put as store_chunks
+from test_store import evict, put as store_chunks
 from tier_servers import TierServer, require_server, tier_server  # noqa: F401  (fixture)
 
 CHUNK = 32
@@ -35,7 +37,6 @@ LAYOUT = KVLayout((
     KVGroup(1, AttentionKind.FULL, None, 32, 1, 32, 32, torch.bfloat16, ("c",)),
 ))
 GROUPS = (0, 1)
-WINDOWS = {g.group_id: window_chunks(g, CHUNK) for g in LAYOUT.groups}
 
 # Stated bounds (seconds). Measured here: a lookup against a killed or a frozen server
 # is a miss after the adapter's request_timeout (0.50-0.52 s; 2.01 s with 2.0); a write
@@ -57,25 +58,28 @@ def spec_for(server: TierServer, **extra) -> dict:
 
 
 def open_store(spec: dict, model: str = "tiny", kv_rank: int = 0,
-               cpu_bytes: int = 4 << 20) -> ChunkStore:
+               cpu_bytes: int = 4 << 20) -> EmbeddedStore:
     fp = fingerprint(LAYOUT, model=model, chunk_size=CHUNK, tp_rank=kv_rank,
                      tp_size=max(1, kv_rank + 1))
-    return ChunkStore(LAYOUT, fp, CHUNK, StoreConfig(cpu_bytes=cpu_bytes, l2_adapters=(spec,)),
+    return EmbeddedStore(LAYOUT, fp, CHUNK, StoreConfig(cpu_bytes=cpu_bytes, l2_adapters=(spec,)),
                       kv_rank=kv_rank)
 
 
-def put(store: ChunkStore, hashes, gen) -> tuple[dict, float]:
-    """Store chunks as the saver does (test_store.put): data, seconds taken."""
+def put(store: EmbeddedStore, hashes, gen, first: int = 0) -> tuple[dict, float]:
+    """Store chunks `first..` of the chain `hashes` as the saver does (test_store.put),
+    every group of every chunk (a hit may end at every chunk): data, seconds taken."""
+    n = len(hashes)
+    ends = [(c * CHUNK, LOW) for c in range(1, n)] + [(n * CHUNK, HIGH)]
     start = time.monotonic()
-    data = store_chunks(store, hashes, gen, groups=GROUPS)
+    data = store_chunks(store, hashes, gen, groups=GROUPS, first=first, ends=ends)
     return data, time.monotonic() - start
 
 
-def lookup(store: ChunkStore, hashes, bound: float = LOOKUP_BOUND) -> tuple[Prefetch, float]:
+def lookup(store: EmbeddedStore, hashes, bound: float = LOOKUP_BOUND) -> tuple[Prefetch, float]:
     """The connector's L2 lookup: start a prefetch, poll until it has settled or `bound`
     has passed (the lookup then answers from L1 alone); the prefetch and seconds taken."""
     start = time.monotonic()
-    p = store.start_prefetch(hashes, WINDOWS)
+    p = store.start_prefetch(hashes, 0, len(hashes) * CHUNK)
     while True:
         store.poll()
         if p.finished or time.monotonic() - start > bound:
@@ -93,19 +97,19 @@ def needed(hashes) -> set:
     return {(hashes[c], g) for g, c in hit_chunks(LAYOUT, 0, len(hashes) * CHUNK, CHUNK)}
 
 
-def drop_cpu_tier(store: ChunkStore, hashes) -> None:
+def drop_cpu_tier(store: EmbeddedStore, hashes) -> None:
     """Evict from L1 so that a lookup has to ask the server."""
-    store._sm.delete_l1_keys([store.key(h, g) for h, g in cells(hashes)], force=True)
+    evict(store, hashes)
     assert store.resident(hashes) == {0: set(), 1: set()}
 
 
-def reads_back(store: ChunkStore, data: dict) -> bool:
-    """Pin every object of `data` and compare its bits."""
-    pinned = store.pin(list(data))
+def reads_back(store: EmbeddedStore, hashes, data: dict) -> bool:
+    """Pin the hit on all of the chain `hashes` and compare its objects with `data`."""
+    pinned = store.pin(hashes, 0, len(hashes) * CHUNK)
     if pinned is None:
         return False
     try:
-        return all(torch.equal(bits(pinned.views[k]), bits(v)) for k, v in data.items())
+        return all(torch.equal(bits(v), bits(data[k])) for k, v in pinned.views.items())
     finally:
         store.release(pinned)
 
@@ -118,7 +122,7 @@ def wait_for_keys(server: TierServer, n: int, bound: float = RECOVERY_BOUND) -> 
     return keys
 
 
-def wire_key(store: ChunkStore, h: bytes, g: int, prefix: str = "") -> str:
+def wire_key(store: EmbeddedStore, h: bytes, g: int, prefix: str = "") -> str:
     """The server's key of an object: [key_prefix@]<namespace>@<rank 08x>@<group>@<hash>."""
     return f"{prefix + '@' if prefix else ''}{store.namespace}@{store.kv_rank:08x}@{g:x}@{h.hex()}"
 
@@ -145,7 +149,7 @@ def _engine_b(args: dict) -> dict:
         want = needed(hashes)
         out.update(finished=p.finished, loaded=len(p.loaded) if p.loaded == want
                    else sorted((h.hex(), g) for h, g in p.loaded), rejected=p.rejected,
-                   lookup_s=seconds, bit_exact=reads_back(store, {k: written[k] for k in want}))
+                   lookup_s=seconds, bit_exact=reads_back(store, hashes, written))
     finally:
         store.close()
     others = {"model": (args["spec"], {"model": "another-model"}),
@@ -199,7 +203,7 @@ def test_killed_server_is_a_miss_writes_do_not_wait_and_a_restart_serves_again(t
         assert not p.loaded and store.resident(hashes[:2]) == {0: set(), 1: set()}
         during, seconds = put(store, hashes[2:3], gen)
         assert seconds < WRITE_BOUND, seconds
-        assert reads_back(store, during)  # the CPU tier serves it while the server is gone
+        assert reads_back(store, hashes[2:3], during)  # the CPU tier serves it meanwhile
 
         tier_server.start()  # same port, empty keyspace (no persistence)
         back, served = time.monotonic(), False
@@ -211,14 +215,14 @@ def test_killed_server_is_a_miss_writes_do_not_wait_and_a_restart_serves_again(t
                 drop_cpu_tier(store, [h])  # each of glide's clients reconnects on its own:
                 p, _ = lookup(store, [h])  # a read may fail for a moment after a write works
                 if p.loaded == cells([h]):
-                    served = reads_back(store, data)
+                    served = reads_back(store, [h], data)
                     break
             if time.monotonic() - back > RECOVERY_BOUND:
                 break
         assert served and time.monotonic() - back < RECOVERY_BOUND
         drop_cpu_tier(store, hashes[:2])
         p, _ = lookup(store, hashes[:2])  # lost with the old server's memory: a miss
-        assert p.finished and not p.loaded and not reads_back(store, before)
+        assert p.finished and not p.loaded and not reads_back(store, hashes[:2], before)
     finally:
         store.close()
 
@@ -238,11 +242,11 @@ def test_frozen_server_is_a_miss_within_bound_then_serves_again(tier_server):
             assert not p.loaded and store.resident(hashes[:2]) == {0: set(), 1: set()}
             during, seconds = put(store, hashes[2:], gen)
             assert seconds < WRITE_BOUND, seconds
-            assert reads_back(store, during)
+            assert reads_back(store, hashes[2:], during)
         finally:
             tier_server.resume()
         p, _ = lookup(store, hashes[:2], bound=RECOVERY_BOUND)  # the data survived
-        assert p.loaded == cells(hashes[:2]) and reads_back(store, written)
+        assert p.loaded == cells(hashes[:2]) and reads_back(store, hashes[:2], written)
     finally:
         tier_server.resume()
         store.close()
@@ -258,22 +262,22 @@ def test_the_cpu_tier_is_still_offered_while_a_prefetch_waits_for_the_server(tie
         hashes = chunk_hashes(list(range(3 * CHUNK)), CHUNK)
         written, _ = put(store, hashes, gen)
         wait_for_keys(tier_server, 6)
-        store._sm.delete_l1_keys([store.key(hashes[2], g) for g in GROUPS], force=True)
+        evict(store, hashes[2:])
+        assert store.resident(hashes) == {0: {0, 1}, 1: {0, 1}}
         tier_server.pause()
         try:
-            p = store.start_prefetch(hashes, WINDOWS)
+            p = store.start_prefetch(hashes, 0, 3 * CHUNK)
             store.poll()
             assert not p.finished
             assert store.resident(hashes) == {0: {0, 1}, 1: {0, 1}}
-            head = {k: v for k, v in written.items() if k[0] in hashes[:2]}
-            assert reads_back(store, head)
+            assert reads_back(store, hashes[:2], written)
         finally:
             tier_server.resume()
         deadline = time.monotonic() + FROZEN_TIMEOUT + SLACK
         while not p.finished and time.monotonic() < deadline:
             store.poll()
             time.sleep(0.01)
-        assert p.finished and reads_back(store, head)
+        assert p.finished and reads_back(store, hashes[:2], written)
     finally:
         tier_server.resume()
         store.close()
@@ -316,8 +320,8 @@ def test_an_object_damaged_in_the_server_is_a_miss_never_offered(tier_server, da
             p, _ = lookup(store, hashes[:2])
             assert p.finished and (hashes[1], 1) not in p.loaded
             assert store.resident(hashes[:2])[1] == {0}
-            assert store.pin([(hashes[1], 1)]) is None
-            assert reads_back(store, {(hashes[0], g): written[(hashes[0], g)] for g in GROUPS})
+            assert store.pin(hashes[:2], 0, 2 * CHUNK) is None
+            assert reads_back(store, hashes[:1], written)
             assert p.rejected == (damage != "cut short" and attempt == 0)
             assert (key in tier_server.keys()) == (damage == "cut short")
     finally:
@@ -343,10 +347,10 @@ def test_objects_a_lookup_brought_up_beyond_its_hit_are_verified_too(tier_server
         assert p.finished and (hashes[3], 1) not in p.loaded
         assert 3 not in store.resident(hashes)[1]  # never offered
         assert p.rejected == 1 and damaged not in tier_server.keys()  # and dropped
-        again, _ = put(store, [hashes[2]], gen)  # the engine recomputed chunk 2
+        again, _ = put(store, hashes[:3], gen, first=2)  # the engine recomputed chunk 2
         assert (hashes[2], 1) in again
         written.update(again)
-        pinned = store.pin(needed(hashes))
+        pinned = store.pin(hashes, 0, 4 * CHUNK)
         if pinned is not None:  # only what verification let through, bit-exact
             try:
                 assert all(torch.equal(bits(v), bits(written[k]))
@@ -402,7 +406,8 @@ def test_a_full_server_evicts_or_refuses_writes_never_stalls(tmp_path, policy):
         else:
             assert int(stat["evicted_keys"]) == 0
             assert p_first.loaded == cells(first)
-        assert reads_back(store, {k: written[k] for k in p_first.loaded | p_last.loaded})
+        assert reads_back(store, first, written) == bool(p_first.loaded)
+        assert reads_back(store, last, written) == bool(p_last.loaded)
     finally:
         store.close()
         server.kill()

@@ -19,7 +19,8 @@ import pytest
 
 from gemma4_kv.config.host_checks import (cgroup_room, check_host_resources, check_tiers_reachable,
                                    memory_headroom)
-from gemma4_kv.config.settings import GiB, ConnectorSettings, SettingsError, readme_table
+from gemma4_kv.config.readme import readme_table
+from gemma4_kv.config.settings import GiB, ConnectorSettings, SettingsError
 
 parse = ConnectorSettings.from_extra_config
 README = Path(__file__).resolve().parents[1] / "README.md"

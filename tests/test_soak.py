@@ -46,11 +46,12 @@ def test_no_token_differs_from_recomputation(report):
 
 
 def test_hits_while_the_cpu_tier_evicts(report):
-    """Hits on shared prefixes of every length, while the tier turned over (what was saved
-    is more than twice its size: over half of it was evicted) and stayed near full."""
+    """Hits on shared prefixes of every length, while the tier evicted (more was saved
+    than it holds, and objects were deleted to make room) and stayed near full."""
     assert report["requests_with_hits"] >= REQUESTS // 3
     end = report["snapshots"][-1]
-    assert end["counters"]["save_bytes"] > 2 * end["l1_total"]
+    assert end["counters"]["save_bytes"] > end["l1_total"]
+    assert end["counters"]["evicted_objects"] > 0
     assert report["l1_used_max"] > 0.8 * report["l1_total"]
 
 

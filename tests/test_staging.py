@@ -36,7 +36,6 @@ def test_regions_come_back_in_order_and_never_overlap_live_ones():
     ea.fired = True
     d = pool.take(1200)  # wraps into a's and b's old place
     assert d is not None and not overlaps(d, c)
-    assert pool.in_use() >= 1024 + 1280
     e = pool.take(2000)
     assert e is None  # only b's tail is free before c
     ec.fired = True

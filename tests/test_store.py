@@ -1,6 +1,7 @@
-"""The embedded LMCache store: round trip, pins, fingerprints, generations, eviction, and
-the L2 path: asynchronous prefetch, verification of every object that comes up from a
-disk tier (corrupt, truncated, swapped, foreign objects are misses and are dropped)."""
+"""The embedded LMCache store: round trip, pins, fingerprints, generations, eviction of
+whole hits through LMCache's real L1, and the L2 path: asynchronous prefetch,
+verification of every object that comes up from a disk tier (corrupt, truncated,
+swapped, foreign objects are misses and are dropped)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import time
 import pytest
 import torch
 
-from gemma4_kv.stores import integrity
-from gemma4_kv.keys.engine import chunk_hashes, fingerprint
+from gemma4_kv.keys.engine import fingerprint
 from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
-from gemma4_kv.stores.embedded import ChunkStore, StoreConfig
+from gemma4_kv.stores import integrity
+from gemma4_kv.stores.base import HIGH, LOW, ChunkWrite
+from gemma4_kv.stores.embedded import EmbeddedStore, StoreConfig
+from model_keys import chunk_hashes
 from paged import bits, random_bits
 
 CHUNK = 32
@@ -23,25 +26,34 @@ LAYOUT = KVLayout((
 ))
 FP = fingerprint(LAYOUT, model="tiny", chunk_size=CHUNK)
 GROUPS = (0, 1)
+# One object of each group in LMCache's L1: the KV tensor and the 32-byte trailer,
+# allocated in 4 KiB units. Group 0: 2 x 2 layers x 32 tokens x 32 bf16 = 8 KiB (+32 ->
+# 12 KiB); group 1: 2 x 1 x 32 x 32 bf16 = 4 KiB (+32 -> 8 KiB).
+OBJECT = {0: 12 << 10, 1: 8 << 10}
 
 
 @pytest.fixture
 def store():
-    s = ChunkStore(LAYOUT, FP, CHUNK, StoreConfig(cpu_bytes=1 << 20))
+    s = EmbeddedStore(LAYOUT, FP, CHUNK, StoreConfig(cpu_bytes=1 << 20))
     yield s
     s.close()
 
 
-def put(store, hashes, gen, groups=GROUPS):
-    """Store chunks as the saver does: reserve, fill, seal, commit."""
-    objects = store.reserve([(h, groups) for h in hashes])
+def put(store, chain, gen, groups=GROUPS, first=0, ends=None, req="r", finish=True):
+    """Store chunks as a request's saves do: reserve, fill, seal, commit, and (with
+    `finish`) the request ends. By default the chunks serve one HIGH hit at the chain's
+    end."""
+    n = len(chain) - first
+    ends = [(len(chain) * store.chunk_size, HIGH)] if ends is None else ends
+    res = store.reserve(ChunkWrite(req, list(chain), first, [groups] * n, ends))
     data = {}
-    for (h, g), (kv, trailer, key) in objects.items():
+    for (h, g), (kv, trailer, key) in res.objects.items():
         data[(h, g)] = random_bits(kv.shape, kv.dtype, generator=gen)
         kv.copy_(data[(h, g)])
         integrity.seal(kv, trailer, key)
-    for h in hashes:
-        store.commit(h)
+    store.commit(res)
+    if finish:
+        store.on_request_finished(req)
     return data
 
 
@@ -54,102 +66,122 @@ def wait_for(predicate, timeout=10.0):
 
 def test_round_trip_is_bit_exact(store):
     gen = torch.Generator().manual_seed(1)
-    hashes = chunk_hashes(list(range(3 * CHUNK)), CHUNK)
-    written = put(store, hashes, gen)
-    assert store.resident(hashes) == {0: {0, 1, 2}, 1: {0, 1, 2}}
-    keys = [(h, g) for h in hashes for g in GROUPS]
-    pinned = store.pin(keys)
-    for k in keys:
-        assert torch.equal(bits(pinned.views[k]), bits(written[k]))
+    chain = chunk_hashes(list(range(3 * CHUNK)), CHUNK)
+    written = put(store, chain, gen)
+    # A hit of 96 tokens needs every full chunk and the 48-token window (chunks 1-2):
+    # nothing else is stored.
+    assert store.resident(chain) == {0: {1, 2}, 1: {0, 1, 2}}
+    pinned = store.pin(chain, 0, 3 * CHUNK)
+    assert set(pinned.views) == {(h, 1) for h in chain} | {(chain[1], 0), (chain[2], 0)}
+    for k, view in pinned.views.items():
+        assert torch.equal(bits(view), bits(written[k]))
     store.release(pinned)
-    assert store.reserve([(hashes[0], GROUPS)]) == {}  # stored already: nothing to write
+    again = store.reserve(ChunkWrite("r2", chain, 0, [GROUPS] * 3, [(96, HIGH)]))
+    assert again.objects == {}  # stored already: nothing to write
 
 
 def test_partial_groups_and_uncommitted_chunks(store):
     gen = torch.Generator().manual_seed(2)
     a, b = chunk_hashes(list(range(2 * CHUNK)), CHUNK)
-    put(store, [a], gen, groups=(1,))  # a retained chunk without its sliding group
+    put(store, [a], gen, groups=(1,), finish=False)  # a chunk without its sliding group
     assert store.resident([a]) == {0: set(), 1: {0}}
-    assert store.pin([(a, 0)]) is None
+    assert store.pin([a], 0, CHUNK) is None
     used = store.usage()[0]
-    assert set(store.reserve([(b, GROUPS)])) == {(b, 0), (b, 1)}
-    assert store.resident([b]) == {0: set(), 1: set()}  # invisible until committed
-    store.abort(b)
+    res = store.reserve(ChunkWrite("r2", [a, b], 1, [GROUPS], [(2 * CHUNK, HIGH)]))
+    assert set(res.objects) == {(b, 0), (b, 1)}
+    assert store.resident([a, b]) == {0: set(), 1: {0}}  # invisible until committed
+    store.abort(res)
     assert store.usage()[0] == used
 
 
 def test_other_fingerprint_and_generation_never_hit(store):
     gen = torch.Generator().manual_seed(3)
-    h = chunk_hashes(list(range(CHUNK)), CHUNK)[0]
-    put(store, [h], gen)
+    chain = chunk_hashes(list(range(CHUNK)), CHUNK)
+    put(store, chain, gen)
     other = KVLayout((LAYOUT.groups[0],
                       KVGroup(1, AttentionKind.FULL, None, 32, 1, 32, 32, torch.float16, ("c",))))
     assert fingerprint(other, model="tiny", chunk_size=CHUNK) != FP
     assert fingerprint(LAYOUT, model="tiny", chunk_size=CHUNK, tp_rank=1, tp_size=2) != FP
     assert fingerprint(LAYOUT, model="other", chunk_size=CHUNK) != FP
-    pinned = store.pin([(h, 0)])  # a load in flight across the reset keeps its objects
+    pinned = store.pin(chain, 0, CHUNK)  # a load in flight across the reset keeps its objects
+    view = pinned.views[(chain[0], 0)].clone()
     assert store.reset()
-    assert store.resident([h]) == {0: set(), 1: set()}
-    assert torch.equal(bits(pinned.views[(h, 0)]), bits(pinned.views[(h, 0)]))
+    assert store.resident(chain) == {0: set(), 1: set()}
+    assert torch.equal(bits(pinned.views[(chain[0], 0)]), bits(view))
     store.release(pinned)
-    put(store, [h], gen)
-    assert store.resident([h]) == {0: {0}, 1: {0}}  # the new generation stores anew
+    assert store.usage()[0] == 0  # released: the old generation's objects are gone too
+    put(store, chain, gen)
+    assert store.resident(chain) == {0: {0}, 1: {0}}  # the new generation stores anew
 
 
-def test_salt_and_prefix_change_hashes():
-    toks = list(range(2 * CHUNK))
-    a = chunk_hashes(toks, CHUNK)
-    assert len(a) == 2 and chunk_hashes(toks + [1], CHUNK) == a
-    assert chunk_hashes(toks, CHUNK, salt="s")[0] != a[0]
-    changed = [7] + toks[1:]
-    assert chunk_hashes(changed, CHUNK)[1] != a[1]  # second chunk's key covers the prefix
-
-
-def test_a_full_tier_evicts_at_once_and_keeps_pinned_objects():
-    """Usable capacity is the configured one: a write that finds no room evicts now
-    (not on LMCache's 1 s tick), never a pinned object."""
-    object_bytes = sum(t.numel() * t.element_size() for t in (
-        torch.empty(LAYOUT.groups[0].chunk_shape(CHUNK), dtype=torch.bfloat16),
-        torch.empty(LAYOUT.groups[1].chunk_shape(CHUNK), dtype=torch.bfloat16)))
-    small = ChunkStore(LAYOUT, FP, CHUNK, StoreConfig(cpu_bytes=8 * object_bytes + 4096))
+def test_a_full_tier_evicts_whole_hits_and_never_a_pinned_one():
+    """Documents of 4 chunks (a HIGH hit each: 4 full objects + the 2-chunk window = 56
+    KiB) in a tier of 3 of them: a fourth asked twice evicts the least recent document
+    asked for once, as a whole (its 6 objects leave L1), never the pinned one."""
+    doc_bytes = 4 * OBJECT[1] + 2 * OBJECT[0]
+    small = EmbeddedStore(LAYOUT, FP, CHUNK, StoreConfig(cpu_bytes=3 * doc_bytes))
     try:
         gen = torch.Generator().manual_seed(4)
-        hashes = chunk_hashes(list(range(40 * CHUNK)), CHUNK)
-        put(small, hashes[:4], gen)
-        pinned = small.pin([(hashes[0], 0), (hashes[0], 1)])
-        for h in hashes[4:]:
-            assert put(small, [h], gen), "a write found no room although it could evict"
-        present = small.resident(hashes)
-        assert 0 in present[0] and 0 in present[1]  # pinned by the read lock
-        assert 39 in present[0] and len(present[0]) < len(hashes)
-        used, total = small.usage()
-        assert used > 0.8 * total  # the tier is used up to its size, not to 80%
+        docs = [chunk_hashes(list(range(1000 * d, 1000 * d + 4 * CHUNK)), CHUNK)
+                for d in range(4)]
+        for d in docs[:3]:
+            put(small, d, gen)
+        assert small.usage()[0] == 3 * doc_bytes
+        pinned = small.pin(docs[0], 0, 4 * CHUNK)  # doc 0: pinned, and asked twice now
+        assert put(small, docs[3], gen, req="a") == {}  # asked once: ties evict nothing
+        assert put(small, docs[3], gen, req="b")  # asked twice: evicts doc 1 (least recent)
+        assert small.resident(docs[1]) == {0: set(), 1: set()}
+        assert small.resident(docs[0]) == {0: {2, 3}, 1: {0, 1, 2, 3}}
+        assert small.usage()[0] == 3 * doc_bytes  # doc 1's objects really left L1
         small.release(pinned)
     finally:
         small.close()
 
 
-def test_touching_a_prefix_makes_lru_evict_its_tail_before_its_head():
-    object_bytes = 2 * 48 * 32 * 2 * 2 + 2 * 32 * 32 * 2 * 2 + 64
-    small = ChunkStore(LAYOUT, FP, CHUNK, StoreConfig(cpu_bytes=6 * object_bytes))
+def test_intermediate_windows_leave_before_any_final_hit():
+    """Two documents of 4 chunks, each also with a LOW hit at chunk 2 (its own 2-chunk
+    window: 2 x 12 KiB more), in a tier of 2 final hits + one LOW window: the second
+    document's LOW window finds no LOW room without evicting the first's, and the final
+    hits both stay."""
+    doc_bytes = 4 * OBJECT[1] + 2 * OBJECT[0]
+    low_bytes = 2 * OBJECT[0]
+    small = EmbeddedStore(LAYOUT, FP, CHUNK, StoreConfig(cpu_bytes=2 * doc_bytes + low_bytes))
     try:
         gen = torch.Generator().manual_seed(5)
-        doc = chunk_hashes(list(range(4 * CHUNK)), CHUNK)
-        put(small, doc, gen)
-        small.touch([(h, g) for h in doc for g in GROUPS])
-        other = chunk_hashes(list(range(1000, 1000 + 3 * CHUNK)), CHUNK)
-        put(small, other, gen)
-        kept = small.resident(doc)
-        assert 0 in kept[1] and 3 not in kept[1]  # the head outlived the tail
+        ends = [(4 * CHUNK, HIGH), (2 * CHUNK, LOW)]
+        a = chunk_hashes(list(range(4 * CHUNK)), CHUNK)
+        b = chunk_hashes(list(range(500, 500 + 4 * CHUNK)), CHUNK)
+        put(small, a, gen, ends=ends, req="a")
+        assert small.resident(a)[0] == {0, 1, 2, 3}
+        put(small, b, gen, ends=ends, req="b")
+        assert small.resident(a) == {0: {2, 3}, 1: {0, 1, 2, 3}}  # a's LOW window went
+        assert small.resident(b) == {0: {0, 1, 2, 3}, 1: {0, 1, 2, 3}}
+        assert small.usage()[0] == 2 * doc_bytes + low_bytes
     finally:
         small.close()
+
+
+def test_an_aborted_prefill_leaves_nothing_behind(store):
+    """A request that ends before its hit's last chunk is written: what it wrote serves
+    no hit and leaves L1 when it finishes."""
+    gen = torch.Generator().manual_seed(6)
+    chain = chunk_hashes(list(range(4 * CHUNK)), CHUNK)
+    ends = [(4 * CHUNK, HIGH)]
+    res = store.reserve(ChunkWrite("r", chain, 0, [GROUPS] * 2, ends))  # chunks 0-1
+    for (h, g), (kv, trailer, key) in res.objects.items():
+        kv.copy_(random_bits(kv.shape, kv.dtype, generator=gen))
+        integrity.seal(kv, trailer, key)
+    store.commit(res)
+    assert store.usage()[0] > 0
+    store.on_request_finished("r")
+    assert store.usage()[0] == 0 and store.resident(chain) == {0: set(), 1: set()}
 
 
 # -- L2: a local disk tier, the real LMCache fs_native adapter ----------------------------
 
 def disk_store(tmp_path, **kw):
-    return ChunkStore(LAYOUT, FP, CHUNK, StoreConfig(cpu_bytes=1 << 20,
-                                                     disk_path=str(tmp_path), **kw))
+    return EmbeddedStore(LAYOUT, FP, CHUNK, StoreConfig(cpu_bytes=1 << 20,
+                                                        disk_path=str(tmp_path), **kw))
 
 
 def stored_on_disk(tmp_path, n):
@@ -157,9 +189,14 @@ def stored_on_disk(tmp_path, n):
     return len(files) >= n and all(p.stat().st_size > 0 for p in files)
 
 
-def prefetched(store, hashes):
-    windows = {0: 3, 1: -1}
-    p = store.start_prefetch(hashes, windows)
+def evict(store, chain):
+    """Delete a chain's objects from L1 (once LMCache's writes to L2 let go of them)."""
+    cells = [(h, g) for h in chain for g in GROUPS]
+    wait_for(lambda: (store.delete(cells), store.resident(chain) == {0: set(), 1: set()})[1])
+
+
+def prefetched(store, chain):
+    p = store.start_prefetch(chain, 0, len(chain) * CHUNK)
     wait_for(lambda: (store.poll(), p.finished)[1])
     return p
 
@@ -168,20 +205,37 @@ def test_prefetch_brings_back_evicted_objects_verified(tmp_path):
     s = disk_store(tmp_path)
     try:
         gen = torch.Generator().manual_seed(6)
-        hashes = chunk_hashes(list(range(2 * CHUNK)), CHUNK)
-        data = put(s, hashes, gen)
+        chain = chunk_hashes(list(range(2 * CHUNK)), CHUNK)
+        data = put(s, chain, gen)
         wait_for(lambda: stored_on_disk(tmp_path, 4))
-        s._sm.delete_l1_keys([s.key(h, g) for h in hashes for g in GROUPS], force=True)
-        assert s.resident(hashes) == {0: set(), 1: set()}
-        p = s.start_prefetch(hashes, {0: 3, 1: -1})
-        assert s.resident(hashes) == {0: set(), 1: set()}  # never offered before verified
+        evict(s, chain)
+        assert s.resident(chain) == {0: set(), 1: set()}
+        p = s.start_prefetch(chain, 0, 2 * CHUNK)
+        assert s.resident(chain) == {0: set(), 1: set()}  # never offered before verified
         wait_for(lambda: (s.poll(), p.finished)[1])
-        assert p.loaded == {(h, g) for h in hashes for g in GROUPS} and p.rejected == 0
-        keys = [(h, g) for h in hashes for g in GROUPS]
-        pinned = s.pin(keys)
-        for k in keys:
-            assert torch.equal(bits(pinned.views[k]), bits(data[k]))
+        assert p.loaded == {(h, g) for h in chain for g in GROUPS} and p.rejected == 0
+        pinned = s.pin(chain, 0, 2 * CHUNK)
+        s.finish_prefetch(p)
+        for k, view in pinned.views.items():
+            assert torch.equal(bits(view), bits(data[k]))
         s.release(pinned)
+    finally:
+        s.close()
+
+
+def test_a_prefetch_nobody_pins_leaves_l1_as_it_found_it(tmp_path):
+    """What a prefetch brought up stays only while its lookup may pin it."""
+    s = disk_store(tmp_path)
+    try:
+        gen = torch.Generator().manual_seed(9)
+        chain = chunk_hashes(list(range(2 * CHUNK)), CHUNK)
+        put(s, chain, gen)
+        wait_for(lambda: stored_on_disk(tmp_path, 4))
+        evict(s, chain)
+        p = prefetched(s, chain)
+        assert s.resident(chain) == {0: {0, 1}, 1: {0, 1}}
+        s.finish_prefetch(p)  # the lookup gave up (or pinned nothing)
+        assert s.usage()[0] == 0
     finally:
         s.close()
 
@@ -200,12 +254,11 @@ def test_damaged_disk_objects_are_misses_and_dropped(tmp_path, damage):
     s = disk_store(tmp_path)
     try:
         gen = torch.Generator().manual_seed(7)
-        hashes = chunk_hashes(list(range(3 * CHUNK)), CHUNK)
-        put(s, hashes, gen)
+        chain = chunk_hashes(list(range(3 * CHUNK)), CHUNK)
+        put(s, chain, gen, ends=[(3 * CHUNK, HIGH), (CHUNK, LOW)])
         wait_for(lambda: stored_on_disk(tmp_path, 6))
-        time.sleep(0.3)
-        s._sm.delete_l1_keys([s.key(h, g) for h in hashes for g in GROUPS], force=True)
-        victim = disk_file(tmp_path, hashes[1], 0)
+        evict(s, chain)
+        victim = disk_file(tmp_path, chain[1], 0)
         if damage == "flip":
             raw = bytearray(victim.read_bytes())
             mid = len(raw) // 2
@@ -214,20 +267,22 @@ def test_damaged_disk_objects_are_misses_and_dropped(tmp_path, damage):
         elif damage == "truncate":
             victim.write_bytes(victim.read_bytes()[:-100])
         elif damage == "swap":
-            twin = disk_file(tmp_path, hashes[2], 0)
+            twin = disk_file(tmp_path, chain[2], 0)
             a, b = victim.read_bytes(), twin.read_bytes()
             victim.write_bytes(b)
             twin.write_bytes(a)
         else:
             victim.unlink()
-        p = prefetched(s, hashes)
-        resident = s.resident(hashes)
+        p = prefetched(s, chain)
+        resident = s.resident(chain)
         assert 0 in resident[0] and 0 in resident[1]  # intact objects still hit
         assert 1 not in resident[0]  # the damaged object is never offered
         if damage in ("flip", "swap"):
             assert p.rejected >= 1
-        p2 = prefetched(s, hashes)  # asked again: still not offered
-        assert 1 not in s.resident(hashes)[0] and (hashes[1], 0) not in p2.loaded
+        s.finish_prefetch(p)
+        p2 = prefetched(s, chain)  # asked again: still not offered
+        assert 1 not in s.resident(chain)[0] and (chain[1], 0) not in p2.loaded
+        s.finish_prefetch(p2)
     finally:
         s.close()
 
@@ -235,12 +290,14 @@ def test_damaged_disk_objects_are_misses_and_dropped(tmp_path, damage):
 def test_object_of_unexpected_shape_is_never_read(store):
     """Same key, other geometry (as if the fingerprint had collided): a miss, not a load."""
     gen = torch.Generator().manual_seed(8)
-    h = chunk_hashes(list(range(CHUNK)), CHUNK)[0]
-    put(store, [h], gen)
-    wider = KVLayout((KVGroup(0, AttentionKind.SLIDING, 48, 16, 4, 16, 16, torch.bfloat16,
-                              ("a", "b")), LAYOUT.groups[1]))
-    from gemma4_kv.stores.embedded import object_layouts
-
-    store._layouts = object_layouts(wider, CHUNK)
-    assert store.pin([(h, 0), (h, 1)]) is None
+    chain = chunk_hashes(list(range(CHUNK)), CHUNK)
+    put(store, chain, gen)
+    wider = EmbeddedStore(KVLayout((KVGroup(0, AttentionKind.SLIDING, 48, 16, 4, 16, 16,
+                                            torch.bfloat16, ("a", "b")), LAYOUT.groups[1])),
+                          FP, CHUNK, StoreConfig(cpu_bytes=1 << 20))
+    try:
+        store._layouts = wider._layouts  # this store now expects the wider objects
+    finally:
+        wider.close()
+    assert store.pin(chain, 0, CHUNK) is None
     assert os.environ.get("PYTHONHASHSEED") == "0"

@@ -1,4 +1,4 @@
-"""Tensor-parallel lookups against two real ranks (LookupService + ChunkStore behind real
+"""Tensor-parallel lookups against two real ranks (LookupService + EmbeddedStore behind real
 ZMQ sockets): when ranks can serve different hits, the scheduler takes the longest
 hit both can serve, and each rank then pins exactly the objects that hit's load reads
 (nothing unpinned is read, nothing else stays pinned)."""
@@ -11,14 +11,17 @@ import uuid
 import pytest
 import torch
 
-from gemma4_kv.lookup import messages as protocol
-from gemma4_kv.keys.engine import chunk_hashes, fingerprint
+from gemma4_kv.lookup import messages
+from gemma4_kv.keys.engine import fingerprint
+from model_keys import chunk_hashes
 from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
-from gemma4_kv.lookup.channel import LookupClient, LookupServer, socket_address
+from gemma4_kv.lookup.channel import LookupClient, LookupServer
+from gemma4_kv.lookup.sockets import socket_address
 from gemma4_kv.lookup.service import LookupService
 from gemma4_kv.layout.plan import hit_chunks
-from gemma4_kv.connector.scheduler import lookup_all_ranks
-from gemma4_kv.stores.embedded import ChunkStore, StoreConfig
+from gemma4_kv.lookup.ranks import lookup_all_ranks
+from gemma4_kv.stores.base import HIGH, LOW
+from gemma4_kv.stores.embedded import EmbeddedStore, StoreConfig
 from test_store import put
 
 CHUNK = 64
@@ -36,7 +39,7 @@ def ranks():
     stores, services, servers = [], [], []
     for rank in range(2):
         fp = fingerprint(LAYOUT, model="tiny", chunk_size=CHUNK, tp_rank=rank, tp_size=2)
-        store = ChunkStore(LAYOUT, fp, CHUNK, StoreConfig(cpu_bytes=4 << 20), kv_rank=rank)
+        store = EmbeddedStore(LAYOUT, fp, CHUNK, StoreConfig(cpu_bytes=4 << 20), kv_rank=rank)
         service = LookupService(store, LAYOUT, CHUNK, timeout_s=1.0)
         stores.append(store)
         services.append(service)
@@ -53,31 +56,31 @@ def ranks():
 
 def pinned_keys(store, service, req_id):
     hit = service._hits.get(req_id)
-    return set() if hit is None else set(hit.pinned.keys)
+    return set() if hit is None else set(hit.pinned.handles[1])
 
 
 def locked(store, hashes):
-    """(chunk, group) of every object the store holds read-locked."""
-    l1 = store._sm._l1_manager
-    return {(c, g) for c, h in enumerate(hashes) for g in (0, 1)
-            if store.resident([h])[g] and not l1.is_key_evictable(store.key(h, g))}
+    """(chunk, group) of every object the store holds read-locked: what is left in L1
+    after deleting everything (a read-locked object is not deleted). Destructive."""
+    store.delete([(h, g) for h in hashes for g in (0, 1)])
+    resident = store.resident(hashes)
+    return {(c, g) for g in (0, 1) for c in resident[g]}
 
 
 def test_ranks_answering_different_hits_pin_exactly_the_common_one(ranks):
     stores, services, client = ranks
     gen = torch.Generator().manual_seed(0)
     hashes = chunk_hashes(list(range(16 * CHUNK)), CHUNK)
-    # Rank 0 can serve 1024 (chunks 0-15 full, window before 1024) and 768;
-    # rank 1 only 768 (its chunks 12-15 were never stored).
-    put(stores[0], hashes[:16], gen, groups=(1,))
-    put(stores[0], [hashes[10], hashes[11], hashes[14], hashes[15]], gen, groups=(0,))
-    put(stores[1], hashes[:12], gen, groups=(1,))
-    put(stores[1], [hashes[10], hashes[11]], gen, groups=(0,))
-    lookup = protocol.Lookup("r1", hashes, 0, 16 * CHUNK)
+    # Rank 0 can serve 1024 (chunks 0-15 full, the window before 1024: chunks 14-15)
+    # and 768 (its window: chunks 10-11); rank 1 only 768 (chunks 12-15 never stored).
+    put(stores[0], hashes[:16], gen, ends=[(1024, HIGH), (768, LOW)])
+    put(stores[1], hashes[:12], gen, ends=[(768, HIGH)])
+    assert stores[0].resident(hashes)[0] == {10, 11, 14, 15}
+    lookup = messages.Lookup("r1", hashes, 0, 16 * CHUNK)
 
     replies = client.ask_all(lookup)  # what each rank would pin on its own
     assert [r.pinned for r in replies] == [1024, 768]
-    client.ask_all(protocol.Release("r1"))
+    client.ask_all(messages.Release("r1"))
 
     hit, _ = lookup_all_ranks(client, lookup)
     assert hit == 768
@@ -86,11 +89,11 @@ def test_ranks_answering_different_hits_pin_exactly_the_common_one(ranks):
     for store, service in zip(stores, services):
         want = {store.key(hashes[c], g) for g, c in need}
         assert pinned_keys(store, service, "r1") == want
-        assert locked(store, hashes) == {(c, g) for g, c in need}
     for service in services:  # what the load takes is exactly what was pinned
         h = service.take("r1")
         assert (h.start, h.hit) == (0, 768)
         assert set(h.pinned.views) == {(hashes[c], g) for g, c in need}
+        assert locked(service.store, hashes) == {(c, g) for g, c in need}
         service.done(h)
     for store in stores:
         assert locked(store, hashes) == set()
@@ -101,7 +104,7 @@ def test_no_common_hit_releases_every_pin(ranks):
     gen = torch.Generator().manual_seed(1)
     hashes = chunk_hashes(list(range(4 * CHUNK)), CHUNK)
     put(stores[0], hashes, gen)  # rank 1 stores nothing
-    assert lookup_all_ranks(client, protocol.Lookup("r2", hashes, 0, 4 * CHUNK)) == (0, 0)
+    assert lookup_all_ranks(client, messages.Lookup("r2", hashes, 0, 4 * CHUNK)) == (0, 0)
     for store in stores:
         assert locked(store, hashes) == set()
     assert all(not s._hits for s in services)
@@ -114,22 +117,24 @@ def test_a_store_read_that_raises_on_one_rank_is_that_requests_miss_only(ranks, 
     stores, services, client = ranks
     gen = torch.Generator().manual_seed(2)
     hashes = chunk_hashes(list(range(8 * CHUNK)), CHUNK)
-    put(stores[0], hashes, gen)
-    put(stores[1], hashes[:6], gen)  # rank 1 serves less: the scheduler re-pins rank 0
-    put(stores[1], hashes[6:], gen, groups=(0,))
+    both = [(8 * CHUNK, HIGH), (6 * CHUNK, LOW)]
+    put(stores[0], hashes, gen, ends=both)  # serves 384 and up to 496
+    put(stores[1], hashes[:6], gen)  # rank 1 serves 384: the scheduler re-pins rank 0
     original = stores[1].pin
 
     def failing(*a, **kw):
         raise RuntimeError("injected: the CPU tier's read failed")
 
-    lookup = protocol.Lookup("r3", hashes, 0, 8 * CHUNK - 16)
+    lookup = messages.Lookup("r3", hashes, 0, 8 * CHUNK - 16)
     monkeypatch.setattr(stores[1], "pin", failing)
     assert lookup_all_ranks(client, lookup) == (0, 0)  # not RanksDown
     for store in stores:
         assert locked(store, hashes) == set()
     assert all(not s._hits and not s._pending for s in services)
+    put(stores[0], hashes, gen, ends=both)  # `locked` emptied the stores
+    put(stores[1], hashes[:6], gen)
     monkeypatch.setattr(stores[1], "pin", original)
-    hit, _ = lookup_all_ranks(client, protocol.Lookup("r4", hashes, 0, 8 * CHUNK - 16))
+    hit, _ = lookup_all_ranks(client, messages.Lookup("r4", hashes, 0, 8 * CHUNK - 16))
     assert hit > 0
     for service in services:
         service.done(service.take("r4"))

@@ -11,8 +11,8 @@ import os
 import shutil
 import socket
 
-from .settings import (GiB, ConnectorSettings, _adapter_class, _Bad, _error, _lmcache_parse,
-                       _redacted, _show, server_endpoint)
+from .checks import Bad, adapter_class, error, lmcache_parse, redacted, show
+from .settings import GiB, ConnectorSettings, server_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +73,9 @@ def check_host_resources(settings: ConnectorSettings, ranks: int = 1) -> None:
     if need > available - spare:
         most = max(available - spare, 0) / GiB
         per = f", split over {ranks} tensor-parallel ranks" if ranks > 1 else ""
-        raise _error('["cpu_gb"]', f"does not fit in this host's memory: {available / GiB:.1f} "
+        raise error('["cpu_gb"]', f"does not fit in this host's memory: {available / GiB:.1f} "
                      f"GiB available of {total / GiB:.1f} GiB, and {spare / GiB:.1f} GiB (5%, "
-                     f"at least 1 GiB) stays for the rest", _show(settings.cpu_gb),
+                     f"at least 1 GiB) stays for the rest", show(settings.cpu_gb),
                      f"set cpu_gb <= {math.floor(most * 10) / 10:g} (it is per engine{per}), "
                      "or free memory")
     if settings.disk_path:
@@ -87,13 +87,13 @@ def _check_disk(settings: ConnectorSettings) -> None:
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError as e:
-        raise _error('["disk_path"]', f"cannot be created ({e.strerror})", _show(path),
+        raise error('["disk_path"]', f"cannot be created ({e.strerror})", show(path),
                      "create it yourself or pick a writable directory") from None
     usage = shutil.disk_usage(path)
     want = settings.disk_gb * GiB
     if want > usage.total:
-        raise _error('["disk_gb"]', f"is larger than the file system of disk_path ({path}: "
-                     f"{usage.total / GiB:.1f} GiB in all)", _show(settings.disk_gb),
+        raise error('["disk_gb"]', f"is larger than the file system of disk_path ({path}: "
+                     f"{usage.total / GiB:.1f} GiB in all)", show(settings.disk_gb),
                      f"set disk_gb <= {usage.free / GiB:.0f} (free now) or use a larger disk")
     if want > usage.free:
         # Not an error: the tier's own files from an earlier run sit in `used` too.
@@ -111,7 +111,7 @@ def tier_endpoints(spec: dict) -> tuple[list[tuple[str, int]], bool]:
     kind = spec.get("type")
     if kind != "valkey":  # `resp` never gets here: it is refused when parsed
         return [], True
-    cfg = _lmcache_parse(spec, kind, _adapter_class(kind))
+    cfg = lmcache_parse(spec, kind, adapter_class(kind))
     if cfg.cluster_mode:
         return list(cfg.startup_nodes), True
     return list(cfg.startup_nodes[:1]), False  # standalone Valkey uses the first node only
@@ -126,15 +126,15 @@ def check_tiers_reachable(settings: ConnectorSettings, timeout_s: float = 1.0) -
         try:
             socket.create_connection((host, port), timeout=timeout_s).close()
         except (OSError, OverflowError) as e:
-            raise _error('["lmcache_server"]', f"cannot be reached within {timeout_s:g} s "
+            raise error('["lmcache_server"]', f"cannot be reached within {timeout_s:g} s "
                          f"({getattr(e, 'strerror', None) or e})",
-                         _show(settings.lmcache_server), "start it (the README's `lmcache "
+                         show(settings.lmcache_server), "start it (the README's `lmcache "
                          "server` command line) or correct the URL") from None
     for i, spec in enumerate(settings.l2_adapters):
         try:
             endpoints, any_one = tier_endpoints(spec)
-        except _Bad as bad:
-            raise _error(f'["l2_adapters"][{i}]', bad.problem, _show(_redacted(spec)),
+        except Bad as bad:
+            raise error(f'["l2_adapters"][{i}]', bad.problem, show(redacted(spec)),
                          bad.fix) from None
         failures = []
         for host, port in endpoints:
@@ -146,7 +146,7 @@ def check_tiers_reachable(settings: ConnectorSettings, timeout_s: float = 1.0) -
             except (OSError, OverflowError, TypeError) as e:
                 failures.append(f"{host}:{port} ({getattr(e, 'strerror', None) or e})")
         if failures:
-            raise _error(f'["l2_adapters"][{i}]', f'(type "{spec["type"]}") cannot be reached '
+            raise error(f'["l2_adapters"][{i}]', f'(type "{spec["type"]}") cannot be reached '
                          f"within {timeout_s:g} s: " + ", ".join(failures),
-                         _show(_redacted(spec)), "start that server, correct host/port, or "
+                         show(redacted(spec)), "start that server, correct host/port, or "
                          "remove this adapter")

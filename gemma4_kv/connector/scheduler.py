@@ -1,7 +1,7 @@
 """Scheduler half of the connector: how many tokens are cached, what to load and save.
 
 Runs in vLLM's engine core. It sees requests and block ids; the bytes live in the
-worker ranks, which it asks over `lookup.LookupClient` in `protocol` messages. A
+worker ranks, which it asks over `lookup.channel.LookupClient` in `lookup.messages`. A
 lookup is answered by every rank with the hit it pinned and every hit it could serve;
 the scheduler offers the longest hit all ranks can serve and makes every rank pin
 exactly that (`Repin`). A rank still asking an L2 tier answers `pending`, and vLLM is
@@ -10,26 +10,31 @@ told to ask again next step (None), so a slow tier never stalls the scheduler.
 What is stored: every completed chunk of full-attention groups; sliding-window groups
 only in the windows before the hits a request can serve later (`plan.hit_ends`: its
 prompt's end and every `retention_interval` tokens), and for generated tokens; see
-`_groups_to_store`.
+`_groups_to_store`. Each save names those hit ends and their class (`_ends`): where
+the prompt or its generated tokens end is HIGH, the extra ends LOW, which the store
+evicts first.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import struct
 import time
 from dataclasses import dataclass, field
 
-from ..lookup import messages as protocol
-from ..keys.engine import engine_identity
-from ..layout.groups import AttentionKind, from_vllm
-from ..lookup.channel import LookupClient, socket_address
-from .metadata import Gemma4KVMetadata, LoadRequest, SaveRequest, TouchRequest
-from ..layout.plan import check_chunk_size, hit_ends, retained_chunks
-from ..keys.request import ChunkKeys, RequestKeyer, Uncacheable, mm_identifiers_are_content_hashes
 from ..config.settings import ConnectorSettings
+from ..keys.engine import engine_identity
+from ..keys.request import (ChunkKeys, RequestKeyer, Uncacheable,
+                            mm_identifiers_are_content_hashes)
+from ..layout.groups import AttentionKind, from_vllm
+from ..layout.plan import check_chunk_size, hit_ends, retained_chunks
+from ..lookup import messages
+from ..lookup.channel import LookupClient
+from ..lookup.ranks import RanksDown, lookup_all_ranks
+from ..lookup.sockets import socket_address
+from ..stores.base import HIGH, LOW, ChunkWrite
+from ..transfer.jobs import FinishJob, LoadJob, SaveJob
+from .metadata import Gemma4KVMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -57,36 +62,10 @@ class _Request:
     impure: set[int] = field(default_factory=set)
     """Chunks holding draft KV that a one-step prefill would not have computed (see
     `ConnectorScheduler._mark_impure`): never stored."""
-
-
-class RanksDown(Exception):
-    """A worker rank did not answer (or failed) a lookup."""
-
-
-def lookup_all_ranks(client: LookupClient, lookup: protocol.Lookup) -> tuple[int | None, int]:
-    """(hit, tokens of it brought up from L2) that every rank can serve and has pinned
-    exactly, (None, 0) while a rank is still asking an L2 tier (its pins, if any, are
-    dropped when it is asked again or the request ends), or (0, 0). Each rank answers
-    the hit it pinned and every hit it could serve; the longest hit all can serve is
-    re-pinned (`Repin`) on the ranks that chose another, so no rank reads an object it
-    did not pin, nor keeps one pinned that no load reads."""
-    replies = client.ask_all(lookup)
-    if replies is None or any(not isinstance(r, protocol.LookupReply) for r in replies):
-        raise RanksDown
-    if any(r.pending for r in replies):
-        return None, 0
-    common = set(replies[0].candidates).intersection(*(r.candidates for r in replies))
-    hit = max(common, default=0)
-    release = protocol.Release(lookup.req_id)
-    if hit <= lookup.start:
-        client.ask_all(release)
-        return 0, 0
-    if any(r.pinned != hit for r in replies):
-        done = client.ask_all(protocol.Repin(lookup.req_id, lookup.hashes, lookup.start, hit))
-        if done is None or not all(isinstance(d, protocol.Done) and d.ok for d in done):
-            client.ask_all(release)
-            return 0, 0
-    return hit, replies[0].from_l2
+    ends: list[tuple[int, int]] = field(default_factory=list)
+    """The prompt's hit ends and their class (`ConnectorScheduler._ends`)."""
+    retained: dict[int, set[int]] | None = None
+    """Per sliding group, the prompt chunks stored for it (the windows before `ends`)."""
 
 
 def drafts_own_kv(vllm_config, layout) -> bool:
@@ -149,8 +128,8 @@ class ConnectorScheduler:
                                   mm_content_hashed=mm_identifiers_are_content_hashes(vllm_config))
         self.kv_cache_manager = None  # bound by vLLM (bind_kv_cache_manager)
         self._requests: dict[str, _Request] = {}
-        self._loads: list[LoadRequest] = []
-        self._touches: list[TouchRequest] = []
+        self._loads: list[LoadJob] = []
+        self._finished: list[FinishJob] = []
 
     def _state(self, request) -> _Request | None:
         """The request's keys (refreshed after a reset), or None if it is not cached."""
@@ -170,16 +149,12 @@ class ConnectorScheduler:
 
     def _hashes(self, st: _Request, num_tokens: int) -> list[bytes]:
         """Keys of the first `num_tokens // chunk_size` chunks. With drafts that own KV,
-        chunk c's key also names token (c + 1) * chunk_size (its last position's draft
-        KV was computed from it)."""
-        st.keys.extend(st.request, num_tokens)
+        chunk c's key also names token (c + 1) * chunk_size (`ChunkKeys.lookahead`)."""
         n = num_tokens // self.chunk_size
-        hashes = st.keys.hashes[:n]
         if self.draft_lookahead:
-            tokens = st.request.all_token_ids
-            hashes = [hashlib.sha256(h + struct.pack("<q", tokens[(c + 1) * self.chunk_size]))
-                      .digest() for c, h in enumerate(hashes)]
-        return hashes
+            return st.keys.lookahead(st.request, n)
+        st.keys.extend(st.request, num_tokens)
+        return st.keys.hashes[:n]
 
     # -- lookups ----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
@@ -197,14 +172,14 @@ class ConnectorScheduler:
         if limit <= num_computed_tokens or time.monotonic() < self._ranks_down_until:
             return 0, False
         try:
-            hit, from_l2 = lookup_all_ranks(self.client, protocol.Lookup(
+            hit, from_l2 = lookup_all_ranks(self.client, messages.Lookup(
                 request.request_id, hashes, num_computed_tokens, limit))
         except RanksDown:
             logger.warning("gemma4-kv: a worker rank did not answer a lookup; no lookups "
                            "for %.0f s", RANK_BACKOFF_S)
             self._ranks_down_until = time.monotonic() + RANK_BACKOFF_S
             # without waiting: the rank that did not answer would hold the scheduler again
-            self.client.tell_all(protocol.Release(request.request_id))
+            self.client.tell_all(messages.Release(request.request_id))
             return 0, False
         st.asked = True
         if hit is None:
@@ -229,9 +204,9 @@ class ConnectorScheduler:
         st.hit = None  # the worker releases the pins once loaded
         n = -(-hit // self.chunk_size)
         st.next_chunk = max(st.next_chunk, hit // self.chunk_size)
-        self._loads.append(LoadRequest(request.request_id, start, hit,
-                                       self._hashes(st, n * self.chunk_size),
-                                       tuple(list(b) for b in blocks.get_block_ids())))
+        self._loads.append(LoadJob(request.request_id, start, hit,
+                                   self._hashes(st, n * self.chunk_size),
+                                   tuple(list(b) for b in blocks.get_block_ids())))
 
     def hit_sources(self, request, num_external_tokens: int) -> tuple[int, int]:
         """(tokens from the CPU tier, tokens brought up from an L2 tier) of a hit."""
@@ -241,8 +216,8 @@ class ConnectorScheduler:
 
     # -- saves ------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> Gemma4KVMetadata:
-        meta = Gemma4KVMetadata(loads=self._loads, touches=self._touches)
-        self._loads, self._touches = [], []
+        meta = Gemma4KVMetadata(loads=self._loads, finished=self._finished)
+        self._loads, self._finished = [], []
         if not self.can_save:
             return meta
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
@@ -265,14 +240,15 @@ class ConnectorScheduler:
             # The live block table: out-of-window sliding blocks are the null block here,
             # and their old ids may already belong to another request.
             block_ids = tuple(list(b) for b in self.kv_cache_manager.get_block_ids(req_id))
-            every = self._hashes(st, done * self.chunk_size)
-            hashes = every[st.next_chunk:done]
+            prompt_chunks = (st.prompt_len - self.draft_lookahead) // self.chunk_size
+            chain = self._hashes(st, max(done, prompt_chunks) * self.chunk_size)
             groups = [() if c in st.impure else self._groups_to_store(st, c)
                       for c in range(st.next_chunk, done)]
-            # lmcache_server keys a chunk by its whole prefix: send the hashes before it.
-            prefix = every[:st.next_chunk] if self.settings.lmcache_server else []
-            meta.saves.append(SaveRequest(req_id, st.next_chunk, hashes, groups, block_ids,
-                                          prefix))
+            ends = list(self._ends(st))
+            if done > st.prompt_len // self.chunk_size:  # a generated chunk ends here
+                ends.append((done * self.chunk_size, HIGH))
+            meta.saves.append(SaveJob(ChunkWrite(req_id, chain, st.next_chunk, groups, ends),
+                                      block_ids))
             st.stored += [()] * (st.next_chunk - len(st.stored)) + groups
             st.next_chunk = done
         return meta
@@ -300,15 +276,26 @@ class ConnectorScheduler:
             done = max(done, min(computed - self.decode_margin, known) // self.chunk_size)
         return done
 
+    def _ends(self, st: _Request) -> list[tuple[int, int]]:
+        """Where the prompt's stored chunks serve hits (`plan.hit_ends`), as (tokens,
+        class): HIGH the prompt's last full chunk and the hit of the same prompt asked
+        again (at most one token short of it, on a block boundary); LOW every
+        `retention_interval` tokens, kept only so that a hit can stop there."""
+        if not st.ends:
+            m, c = self.layout.chunk_multiple, self.chunk_size
+            last = st.prompt_len // c * c
+            again = min((st.prompt_len - self.draft_lookahead) // c * c,
+                        (st.prompt_len - 1) // m * m)
+            ends = hit_ends(last // c, c, again, self.settings.retention_interval)
+            st.ends = [(e, HIGH if e in (last, again) else LOW) for e in ends]
+        return st.ends
+
     def _groups_to_store(self, st: _Request, chunk: int) -> tuple[int, ...]:
-        """Full groups always; sliding groups where a later hit can end (`hit_ends`)."""
+        """Full groups always; sliding groups where a later hit can end (`_ends`)."""
         if chunk >= st.prompt_len // self.chunk_size:  # generated tokens: the end is open
             return tuple(g.group_id for g in self.layout.groups)
-        if not hasattr(st, "retained"):
-            m = self.layout.chunk_multiple
-            n = st.prompt_len // self.chunk_size
-            ends = hit_ends(n, self.chunk_size, (st.prompt_len - 1) // m * m,
-                            self.settings.retention_interval)
+        if st.retained is None:
+            ends = [e for e, _ in self._ends(st)]
             st.retained = {g.group_id: retained_chunks(g, self.chunk_size, ends)
                            for g in self.layout.groups if g.kind is AttentionKind.SLIDING}
         return tuple(g.group_id for g in self.layout.groups
@@ -321,10 +308,8 @@ class ConnectorScheduler:
             if st.asked:
                 st.hit = None
                 self._release_all(request.request_id)
-            n = min(len(st.stored), st.next_chunk)
-            if n:
-                self._touches.append(TouchRequest(self._hashes(st, n * self.chunk_size),
-                                                  st.stored[:n]))
+            if st.stored:
+                self._finished.append(FinishJob(request.request_id))
         return False, None
 
     def reset_cache(self) -> bool:
@@ -332,8 +317,8 @@ class ConnectorScheduler:
         for req_id, st in self._requests.items():
             self._release(req_id, st)
         self.keyer.reset()
-        replies = self.client.ask_all(protocol.Reset())
-        ok = replies is not None and all(isinstance(r, protocol.Done) and r.ok
+        replies = self.client.ask_all(messages.Reset())
+        ok = replies is not None and all(isinstance(r, messages.Done) and r.ok
                                          for r in replies)
         if not ok:
             logger.error("gemma4-kv: a worker rank did not reset its store")
@@ -345,7 +330,7 @@ class ConnectorScheduler:
             self._release_all(req_id)
 
     def _release_all(self, req_id: str) -> None:
-        self.client.ask_all(protocol.Release(req_id))
+        self.client.ask_all(messages.Release(req_id))
 
     def close(self) -> None:
         self.client.close()

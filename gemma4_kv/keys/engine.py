@@ -17,24 +17,13 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .. import FORMAT_VERSION
 from ..layout.groups import KVLayout
 
 OBJECT_FORMAT = "KV_2LTD"
-
-
-def chunk_hashes(tokens: Sequence[int], chunk_size: int, salt: str | None = None) -> list[bytes]:
-    """sha256 rolling hash of each full chunk: h_i = H(h_{i-1} || tokens of chunk i)."""
-    prev = hashlib.sha256(b"gemma4-kv" + (salt or "").encode()).digest()
-    out = []
-    for start in range(0, len(tokens) - chunk_size + 1, chunk_size):
-        chunk = tokens[start:start + chunk_size]
-        prev = hashlib.sha256(prev + struct.pack(f"<{len(chunk)}q", *chunk)).digest()
-        out.append(prev)
-    return out
 
 
 def fingerprint(layout: KVLayout, *, model: str, chunk_size: int, tp_rank: int = 0,

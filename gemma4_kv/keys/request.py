@@ -142,6 +142,8 @@ class ChunkKeys:
     """The keyer's epoch when these keys were made (see `RequestKeyer.refresh`)."""
     lora_id: int | None
     hashes: list[bytes] = field(default_factory=list)
+    ahead: list[bytes] = field(default_factory=list)
+    """Keys that also name the token after their chunk (`lookahead`)."""
     _root: bytes = b""
     _mm_next: int = 0
     """First multimodal item that does not end before the next chunk."""
@@ -172,6 +174,17 @@ class ChunkKeys:
             new.append(prev)
             self.hashes.append(prev)
         return new
+
+    def lookahead(self, request, n: int) -> list[bytes]:
+        """Keys of the first `n` chunks that also name the token after each chunk: with
+        drafts that own KV, a position's draft KV comes from the next token, so chunk
+        c's KV depends on token (c + 1) * chunk_size too. Costs only new chunks."""
+        self.extend(request, n * self.chunk_size)
+        tokens = request.all_token_ids
+        for c in range(len(self.ahead), n):
+            self.ahead.append(_h(self.hashes[c] + struct.pack(
+                "<q", tokens[(c + 1) * self.chunk_size])))
+        return self.ahead[:n]
 
     def _mm_field(self, features, start: int, end: int) -> bytes:
         if not features:

@@ -71,9 +71,15 @@ def servable_hits(layout: KVLayout, chunk_size: int, max_chunks: int,
                   present: Callable[[int, int], bool], start: int = 0,
                   limit: int | None = None) -> list[int]:
     """Every hit length (descending) that every group can serve from the first
-    `max_chunks` chunks: chunk ends, and `limit` itself when it falls inside a chunk
-    (see `max_servable_hit`). Tensor-parallel ranks answer this list so the scheduler
-    can take the longest hit all of them can serve."""
+    `max_chunks` chunks: chunk ends, and `limit` itself when it falls inside a chunk.
+
+    `present(group_id, chunk)` says whether that group's object for that chunk is
+    stored. Full groups need every chunk from `start` on; sliding groups only the
+    chunks that overlap their window before the hit. A hit never exceeds `limit` (a
+    multiple of every block size; vLLM must compute at least the last prompt token),
+    so it may end inside the last chunk it uses: only that chunk's blocks before the
+    hit are loaded, as vLLM's own prefix cache would reuse them. Tensor-parallel ranks
+    answer this list so the scheduler can take the longest hit all of them can serve."""
     check_chunk_size(layout, chunk_size)
     limit = max_chunks * chunk_size if limit is None else min(limit, max_chunks * chunk_size)
     if limit % layout.chunk_multiple:
@@ -97,22 +103,6 @@ def servable_hits(layout: KVLayout, chunk_size: int, max_chunks: int,
                for r in [needed_chunks(g, start - start % g.block_size, hit, chunk_size)]):
             out.append(hit)
     return out
-
-
-def max_servable_hit(layout: KVLayout, chunk_size: int, max_chunks: int,
-                     present: Callable[[int, int], bool], start: int = 0,
-                     limit: int | None = None) -> int:
-    """Largest hit length every group can serve from the first `max_chunks` chunks.
-
-    `present(group_id, chunk)` says whether that group's object for that chunk is
-    stored. Full groups need every chunk from `start` on; sliding groups only the
-    chunks that overlap their window before the hit. A hit never exceeds `limit` (a
-    multiple of every block size; vLLM must compute at least the last prompt token),
-    so it may end inside the last chunk it uses: only that chunk's blocks before the
-    hit are loaded, as vLLM's own prefix cache would reuse them.
-    """
-    hits = servable_hits(layout, chunk_size, max_chunks, present, start, limit)
-    return hits[0] if hits else 0
 
 
 def window_chunks(group: KVGroup, chunk_size: int) -> int:

@@ -1,13 +1,13 @@
 """Worker side of a lookup: which hit this rank can serve, and the pins behind it.
 
-Runs on the lookup server's thread (`lookup.LookupServer`), answering the scheduler's
-`protocol` messages. A lookup never waits: if an L2 tier might extend the hit, it
-starts an LMCache prefetch and answers `pending` (the scheduler returns None to vLLM,
-which asks again next step); once the prefetch has landed and been verified, or
-`timeout_s` has passed, it answers from L1 alone. A tier whose prefetch outlives the
-timeout is left alone for a while (`_Backoff`), so a dead Redis costs one timeout,
-not one per request. The objects of the answered hit stay pinned until the worker
-has loaded them (`take` / `done`) or the scheduler releases them.
+Runs on the lookup server's thread (`channel.LookupServer`), answering the scheduler's
+`messages`. A lookup never waits: if a slower tier might extend the hit, it starts the
+store's prefetch and answers `pending` (the scheduler returns None to vLLM, which asks
+again next step); once the prefetch has landed and been verified, or `timeout_s` has
+passed, it answers from the fast tier alone. A tier whose prefetch outlives the timeout
+is left alone for a while (`_Backoff`), so a dead Redis costs one timeout, not one per
+request. The objects of the answered hit stay pinned until the worker has loaded them
+(`take` / `done`) or the scheduler releases them.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from . import messages as protocol
 from ..layout.groups import KVLayout
-from ..layout.plan import hit_chunks, servable_hits, window_chunks
-from ..stores.embedded import ChunkStore, Pinned, Prefetch
+from ..layout.plan import hit_chunks, servable_hits
+from ..stores.base import ChunkStore, Pinned, Prefetch
+from . import messages
 
 logger = logging.getLogger(__name__)
 
@@ -39,17 +39,13 @@ class Hit:
 class _Pending:
     prefetch: Prefetch
     deadline: float
-    loaded: set = field(default_factory=set)
-    """What earlier prefetches of this lookup brought up from L2."""
-    second: bool = False
-    """This is the lookup's second, targeted fetch."""
-    asked: float = 0.0
-    """When the lookup first asked L2 (its time counts from there)."""
+    asked: float
+    """When the lookup first asked the slower tier (its time counts from there)."""
 
 
 class _Backoff:
-    """After an L2 prefetch outlives its lookup's timeout, skip L2 for `delay` seconds
-    (doubling up to a minute); any prefetch that finishes in time resets it."""
+    """After a prefetch outlives its lookup's timeout, skip slower tiers for `delay`
+    seconds (doubling up to a minute); any prefetch that finishes in time resets it."""
 
     def __init__(self):
         self.until, self.delay = 0.0, 5.0
@@ -73,87 +69,80 @@ class LookupService:
         self.store, self.layout, self.chunk_size = store, layout, chunk_size
         self.timeout_s = timeout_s
         self.stats, self.record = stats, record
-        self._windows = {g.group_id: window_chunks(g, chunk_size) for g in layout.groups}
         self._hits: dict[str, Hit] = {}
         self._pending: dict[str, _Pending] = {}
         self._backoff = _Backoff()
         self._warned_until = 0.0
         self._lock = threading.Lock()  # _hits: the model thread takes them to load
 
-    # -- protocol ---------------------------------------------------------------------
-    def handle(self, msg: protocol.Request) -> protocol.Reply:
-        if isinstance(msg, (protocol.Lookup, protocol.Repin)):
+    # -- messages ---------------------------------------------------------------------
+    def handle(self, msg: messages.Request) -> messages.Reply:
+        if isinstance(msg, (messages.Lookup, messages.Repin)):
             try:
-                if isinstance(msg, protocol.Lookup):
+                if isinstance(msg, messages.Lookup):
                     return self.lookup(msg)
-                return protocol.Done(self.repin(msg))
+                return messages.Done(self.repin(msg))
             except Exception:  # noqa: BLE001 - a store read that failed: this request misses
                 return self._missed(msg)
-        if isinstance(msg, protocol.Release):
+        if isinstance(msg, messages.Release):
             self.release(msg.req_id)
-            self._pending.pop(msg.req_id, None)
-            return protocol.Done(True)
-        if isinstance(msg, protocol.Reset):
-            self._pending.clear()
-            return protocol.Done(self.store.reset())
-        return protocol.Failed(f"unexpected message {type(msg).__name__}")
+            self._drop_pending(msg.req_id)
+            return messages.Done(True)
+        if isinstance(msg, messages.Reset):
+            for req_id in list(self._pending):
+                self._drop_pending(req_id)
+            return messages.Done(self.store.reset())
+        return messages.Failed(f"unexpected message {type(msg).__name__}")
 
-    def lookup(self, msg: protocol.Lookup) -> protocol.LookupReply:
+    def lookup(self, msg: messages.Lookup) -> messages.LookupReply:
         t0 = time.monotonic()
         self.store.poll()
         self.release(msg.req_id)
         now = time.monotonic()
         n = min(len(msg.hashes), -(-msg.limit // self.chunk_size))
-        hashes = msg.hashes[:n]
+        chain = msg.hashes[:n]
         pending = self._pending.pop(msg.req_id, None)
         candidates = None
         if pending is None and self.store.has_l2 and self._backoff.allows(now):
-            candidates = self._candidates(hashes, msg.start, msg.limit)
+            candidates = self._candidates(chain, msg.start, msg.limit)
             if candidates[:1] != [min(msg.limit, n * self.chunk_size)]:
-                # L2 may hold a longer hit: ask it without waiting.
-                prefetch = self.store.start_prefetch(hashes, self._windows)
-                self._pending[msg.req_id] = _Pending(prefetch, now + self.timeout_s,
-                                                     asked=now)
-                return protocol.LookupReply(pending=True)
+                # A slower tier may hold a longer hit: ask it without waiting.
+                prefetch = self.store.start_prefetch(chain, msg.start, msg.limit)
+                self._pending[msg.req_id] = _Pending(prefetch, now + self.timeout_s, now)
+                return messages.LookupReply(pending=True)
         loaded = set()
         if pending is not None:
             t0 = pending.asked
             if pending.prefetch.finished:
                 self._backoff.healthy()
-                loaded = pending.loaded | pending.prefetch.loaded
-                candidates = self._candidates(hashes, msg.start, msg.limit)
-                if not pending.second and candidates[:1] != [msg.limit]:
-                    # LMCache's prefix fetch serves chunk ends; a hit ending inside the
-                    # last chunk may need one more window chunk: fetch what it lacks.
-                    missing = self._missing(hashes, msg.start, msg.limit)
-                    if missing:
-                        second = self.store.start_fetch(missing)
-                        self._pending[msg.req_id] = _Pending(second, pending.deadline,
-                                                             loaded, True, pending.asked)
-                        return protocol.LookupReply(pending=True)
+                loaded = pending.prefetch.loaded
             elif now < pending.deadline:
                 self._pending[msg.req_id] = pending
-                return protocol.LookupReply(pending=True)
+                return messages.LookupReply(pending=True)
             else:
                 self._backoff.slow(now)  # LMCache finishes it; poll() releases its locks
-                candidates = None
-        if candidates is None:
-            candidates = self._candidates(hashes, msg.start, msg.limit)
-        for hit in candidates[:2]:  # the next one if an object went between check and pin
-            h = self._pin(msg.req_id, hashes, msg.start, hit, loaded)
-            if h is not None:
-                self._count(msg, hit, h.from_l2, t0)
-                return protocol.LookupReply(pinned=hit, candidates=candidates,
-                                            from_l2=h.from_l2)
+            candidates = None
+        try:
+            if candidates is None:
+                candidates = self._candidates(chain, msg.start, msg.limit)
+            for hit in candidates[:2]:  # the next one if an object went between check and pin
+                h = self._pin(msg.req_id, chain, msg.start, hit, loaded)
+                if h is not None:
+                    self._count(msg, hit, h.from_l2, t0)
+                    return messages.LookupReply(pinned=hit, candidates=candidates,
+                                                from_l2=h.from_l2)
+        finally:
+            if pending is not None:
+                self.store.finish_prefetch(pending.prefetch)
         self._count(msg, 0, 0, t0)
-        return protocol.LookupReply(candidates=candidates)
+        return messages.LookupReply(candidates=candidates)
 
-    def _missed(self, msg: protocol.Lookup | protocol.Repin) -> protocol.Reply:
+    def _missed(self, msg: messages.Lookup | messages.Repin) -> messages.Reply:
         """A lookup whose store call raised is this request's miss, not the rank's
         failure: nothing stays pinned or pending for it, and other requests (and the
         next lookup of this one) are served as before."""
         self.release(msg.req_id)
-        self._pending.pop(msg.req_id, None)
+        self._drop_pending(msg.req_id)
         now = time.monotonic()
         if now >= self._warned_until:
             self._warned_until = now + 10.0
@@ -163,11 +152,11 @@ class LookupService:
         else:
             logger.debug("gemma4-kv: a lookup of request %s failed in the store",
                          msg.req_id, exc_info=True)
-        if isinstance(msg, protocol.Lookup):
-            return protocol.LookupReply()
-        return protocol.Done(False)
+        if isinstance(msg, messages.Lookup):
+            return messages.LookupReply()
+        return messages.Done(False)
 
-    def repin(self, msg: protocol.Repin) -> bool:
+    def repin(self, msg: messages.Repin) -> bool:
         """Pin exactly what a hit of `msg.hit` tokens reads (the scheduler's choice over
         all ranks), releasing what this rank pinned for its own longer answer."""
         self.release(msg.req_id)
@@ -177,6 +166,11 @@ class LookupService:
         h = self._take_hit(req_id)
         if h is not None:
             self.store.release(h.pinned)
+
+    def _drop_pending(self, req_id: str) -> None:
+        pending = self._pending.pop(req_id, None)
+        if pending is not None:
+            self.store.finish_prefetch(pending.prefetch)
 
     # -- the model thread -------------------------------------------------------------
     def take(self, req_id: str) -> Hit | None:
@@ -188,32 +182,20 @@ class LookupService:
         self.store.release(hit.pinned)
 
     # -- helpers ----------------------------------------------------------------------
-    def _candidates(self, hashes: list[bytes], start: int, limit: int) -> list[int]:
-        if limit <= start or not hashes:
+    def _candidates(self, chain: list[bytes], start: int, limit: int) -> list[int]:
+        if limit <= start or not chain:
             return []
-        resident = self.store.resident(hashes)
-        return servable_hits(self.layout, self.chunk_size, len(hashes),
+        resident = self.store.resident(chain)
+        return servable_hits(self.layout, self.chunk_size, len(chain),
                              lambda g, c: c in resident[g], start, limit)
 
-    def _missing(self, hashes: list[bytes], start: int, hit: int) -> list:
-        """Objects a hit of `hit` tokens needs that L1 does not hold, if L1 holds all
-        the full-attention chunks it needs (else the hit is out of reach anyway)."""
-        resident = self.store.resident(hashes)
-        cells = hit_chunks(self.layout, start, hit, self.chunk_size)
-        full = {g.group_id for g in self.layout.groups if g.window is None}
-        if any(c not in resident[g] for g, c in cells if g in full):
-            return []
-        return [(hashes[c], g) for g, c in cells if c not in resident[g]]
-
-    def _pin(self, req_id: str, hashes: list[bytes], start: int, hit: int,
+    def _pin(self, req_id: str, chain: list[bytes], start: int, hit: int,
              loaded: set) -> Hit | None:
-        cells = hit_chunks(self.layout, start, hit, self.chunk_size)
-        keys = [(hashes[c], g) for g, c in cells]
-        pinned = self.store.pin(keys, hashes)
+        pinned = self.store.pin(chain, start, hit, req_id)
         if pinned is None:
             return None
-        self.store.touch([(hashes[c], g) for g, c in sorted(cells, key=lambda gc: gc[1])])
-        l2_chunks = {c for g, c in cells if (hashes[c], g) in loaded}
+        cells = hit_chunks(self.layout, start, hit, self.chunk_size)
+        l2_chunks = {c for g, c in cells if (chain[c], g) in loaded}
         from_l2 = sum(min(hit, (c + 1) * self.chunk_size) - max(start, c * self.chunk_size)
                       for c in l2_chunks)
         h = Hit(start, hit, pinned, from_l2)
@@ -225,7 +207,7 @@ class LookupService:
         with self._lock:
             return self._hits.pop(req_id, None)
 
-    def _count(self, msg: protocol.Lookup, hit: int, from_l2: int, t0: float) -> None:
+    def _count(self, msg: messages.Lookup, hit: int, from_l2: int, t0: float) -> None:
         seconds = time.monotonic() - t0  # since it first asked L2, if it had to
         if self.stats is not None:
             self.stats.lookup(max(0, hit - msg.start), from_l2, seconds)
@@ -237,3 +219,5 @@ class LookupService:
             hits, self._hits = list(self._hits.values()), {}
         for h in hits:
             self.store.release(h.pinned)
+        for req_id in list(self._pending):
+            self._drop_pending(req_id)

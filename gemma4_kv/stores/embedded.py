@@ -1,47 +1,40 @@
-"""The chunk store: LMCache's storage layer, embedded in-process.
+"""The embedded store: LMCache's storage layer in this process (`lmcache.StorageLayer`).
 
-One LMCache object per (chunk, group): the group's KV_2LTD tensor plus a small
-integrity trailer (`integrity.py`), keyed by `ObjectKey(chunk_hash, namespace,
-kv_rank, object_group_id=group_id)`, where the namespace is the layout fingerprint
-plus a generation that `reset` changes. L1 is LMCache's CPU pool (pinned when CUDA is
-present); L2 tiers (local disk `fs_native`, Redis/Valkey `valkey`, ...) sit behind it
-through LMCache's own adapters. Nothing here is a home-made store.
+One LMCache object per (chunk, group): the group's KV_2LTD tensor plus its integrity
+trailer, keyed by `ObjectKey(chunk hash, namespace, kv_rank, group)`, where the
+namespace is the layout fingerprint plus a generation that `reset` changes. L1 is
+LMCache's CPU pool (pinned when CUDA is present); L2 tiers (local disk `fs_native`,
+Redis/Valkey `valkey`, ...) sit behind it through LMCache's own adapters.
+
+What L1 keeps is decided here, not by LMCache's LRU: `capacity.Capacity` admits and
+evicts whole servable hits, and objects no hit can use are deleted at once.
 
 What may fail is done before a hit is offered, never during its load:
-- an L2 lookup is an asynchronous LMCache prefetch (`start_prefetch` / `poll`); its
-  objects are verified against their trailers when they land in L1, and a bad one is
-  dropped and never offered again by this process;
-- a hit is served only from objects pinned in L1 (`pin`), whose views are taken and
-  checked at pin time; the load then only copies memory.
-Writes are two-phase (`reserve` / `commit`): a chunk is stored for all the groups it
-carries or for none.
-
-Threads: `start_prefetch`, `poll`, `resident`, `pin`, `release` and `reset` run on
-the worker's lookup thread; `reserve`, `commit`, `abort` and `touch` on the model
-thread. LMCache's storage manager is thread-safe; each thread owns its own state here.
+- an L2 lookup is an LMCache prefetch (`start_prefetch` / `poll`); what it brings up is
+  verified against its trailer as it lands, and a bad object is dropped and never
+  offered again by this process;
+- a hit is served only from objects pinned in L1 (`pin`), checked at pin time.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from ..layout.groups import AttentionKind, KVLayout
+from ..layout.plan import hit_chunks, window_chunks
 from . import integrity
-from ..layout.groups import KVLayout
+from .base import ChunkKey, ChunkStore, ChunkWrite, Pinned, Prefetch, Reservation
+from .capacity import Capacity, EndSpec
+from .lmcache import StorageLayer
 
 logger = logging.getLogger(__name__)
-
-ChunkKey = tuple[bytes, int]
-"""(chunk hash, group id)."""
 
 
 @dataclass(frozen=True)
@@ -53,11 +46,6 @@ class StoreConfig:
     disk_gb: float = 0.0
     l2_adapters: tuple[dict, ...] = ()
     """More LMCache L2 tiers, as `lmcache server --l2-adapter` JSON objects."""
-    eviction_policy: str = "LRU"
-    trigger_watermark: float = 0.97
-    """LMCache's background eviction starts here (its default, 0.8, left a fifth of the
-    tier unused); a write that finds no room evicts at once (`_evict_now`)."""
-    eviction_ratio: float = 0.03
     verify_checksums: bool = True
 
     def adapter_specs(self) -> list[dict]:
@@ -71,264 +59,266 @@ class StoreConfig:
         return specs
 
 
-def set_lmcache_log_level(level: str) -> None:
-    """Keep LMCache's own logs (one INFO line per prefetch) at `level`. LMCache reads
-    LMCACHE_LOG_LEVEL when it creates a logger and gives each its own handler, so set
-    both the variable (for loggers still to come) and every existing one."""
-    os.environ["LMCACHE_LOG_LEVEL"] = level
-    for name, log in list(logging.Logger.manager.loggerDict.items()):
-        if name.startswith("lmcache") and isinstance(log, logging.Logger):
-            log.setLevel(level)
-            for handler in log.handlers:
-                handler.setLevel(level)
-
-
-def _lmcache():
-    from lmcache.v1.distributed import api, config
-    from lmcache.v1.distributed.storage_manager import StorageManager
-
-    return api, config, StorageManager
-
-
-def object_layouts(layout: KVLayout, chunk_size: int) -> dict:
-    """LMCache's description of each group's object: KV_2LTD tensor + trailer."""
-    api, _, _ = _lmcache()
-    return {g.group_id: api.MemoryLayoutDesc(
-        shapes=[torch.Size(g.chunk_shape(chunk_size)), torch.Size(integrity.SEAL_SHAPE)],
-        dtypes=[g.dtype, integrity.SEAL_DTYPE]) for g in layout.groups}
-
-
 @dataclass
-class Prefetch:
-    """L2 prefetch tasks in flight: (LMCache handle, rows of (group id, chunk hashes,
-    keys)), and once all have finished the (chunk hash, group) cells loaded from L2."""
+class _Prefetch(Prefetch):
+    """LMCache prefetch tasks of one lookup, and what they hold until they settle."""
 
-    tasks: list[tuple[object, list[tuple[int, list[bytes], list]]]]
-    keys: list
-    started: float
-    finished: bool = False
-    loaded: set[ChunkKey] = field(default_factory=set)
-    rejected: int = 0
+    chain: tuple[bytes, ...] = ()
+    start: int = 0
+    limit: int = 0
+    tasks: list = field(default_factory=list)  # (handle, rows of (gid, hashes, keys))
+    results: list = field(default_factory=list)
     held: list = field(default_factory=list)
-    """Its keys that were in L1 when it started (verified already, or written here),
-    read-locked until it settles: they stay offered meanwhile, and cannot be evicted
-    and brought up again from L2 unverified."""
+    """Its keys that were in L1 when it started, read-locked until it settles: they stay
+    offered meanwhile, and cannot be evicted and come up again from L2 unverified."""
     untrusted: list = field(default_factory=list)
     """The others: not offered until it settles (it may bring them up from L2)."""
+    rounds: int = 1
+    asked: set = field(default_factory=set)
+    """Objects targeted fetches of it asked for (those that did not come are not asked
+    again)."""
+    namespace: str = ""
+    owner: str = field(default_factory=lambda: f"prefetch-{uuid.uuid4().hex}")
+    """Holds what it brought up in `capacity` until `finish_prefetch`."""
+    done_with: bool = False
 
 
 @dataclass
-class Pinned:
-    """Objects pinned for one hit: LMCache keys to release, views to load from."""
-
-    keys: list
-    views: dict[ChunkKey, torch.Tensor]
+class _Reservation(Reservation):
+    keys: list = field(default_factory=list)
+    namespace: str = ""
 
 
-class ChunkStore:
+class EmbeddedStore(ChunkStore):
     def __init__(self, layout: KVLayout, fingerprint: str, chunk_size: int,
                  config: StoreConfig = StoreConfig(), kv_rank: int = 0, stats=None):
-        api, cfg, StorageManager = _lmcache()
-        from lmcache.v1.distributed.l2_adapters import config as l2
-
-        self._api = api
         self.layout, self.fingerprint, self.chunk_size = layout, fingerprint, chunk_size
         self.namespace = fingerprint
-        self.kv_rank, self.config = kv_rank, config
+        self.kv_rank, self.config, self.stats = kv_rank, config, stats
         adapters = config.adapter_specs()
-        self.has_l2 = bool(adapters)
-        # The same parser as `lmcache server --l2-adapter JSON`.
-        l2_config = l2.parse_args_to_l2_adapters_config(argparse.Namespace(**{
-            l2._L2_ADAPTER_ARG_DEST: [json.dumps(d) for d in adapters]}))
-        self._sm = StorageManager(cfg.StorageManagerConfig(
-            l1_manager_config=cfg.L1ManagerConfig(memory_config=cfg.L1MemoryManagerConfig(
-                size_in_bytes=config.cpu_bytes, use_lazy=False, shm_name="")),
-            eviction_config=cfg.EvictionConfig(
-                eviction_policy=config.eviction_policy,
-                trigger_watermark=config.trigger_watermark,
-                eviction_ratio=config.eviction_ratio),
-            # Objects brought up from L2 stay in L1 (LMCache's default makes them
-            # read-once), so later hits on a shared prefix need no second L2 read.
-            prefetch_policy="retain",
-            l2_adapter_config=l2_config))
-        self._layouts = object_layouts(layout, chunk_size)
+        self._has_l2 = bool(adapters)
+        self.tier = StorageLayer(config.cpu_bytes, adapters)
         self._groups = [g.group_id for g in layout.groups]
-        self._reserved: dict[bytes, list] = {}  # model thread
-        self._inflight: list[Prefetch] = []  # lookup thread
-        self._maybe_untrusted: Counter = Counter()  # keys an unpolled prefetch may load
+        self._layouts, self._bytes = {}, {}
+        for g in layout.groups:
+            shapes = [torch.Size(g.chunk_shape(chunk_size)), torch.Size(integrity.SEAL_SHAPE)]
+            dtypes = [g.dtype, integrity.SEAL_DTYPE]
+            self._layouts[g.group_id] = self.tier.layout(shapes, dtypes)
+            self._bytes[g.group_id] = self.tier.allocated_bytes(shapes, dtypes)
+        self._windows = {g.group_id: window_chunks(g, chunk_size) for g in layout.groups}
+        self._full = [g.group_id for g in layout.groups if g.kind is AttentionKind.FULL]
+        self.capacity = Capacity(self.tier.usage()[1])
+        self._inflight: list[_Prefetch] = []  # lookup thread
+        self._maybe_untrusted: Counter = Counter()  # keys an unsettled prefetch may load
         self._bad: set = set()  # keys whose L2 copy failed verification
-        self.stats = stats  # metrics.Gemma4KVStats, if any
+
+    @property
+    def has_l2(self) -> bool:
+        return self._has_l2
 
     # -- keys -------------------------------------------------------------------------
-    def key(self, chunk_hash: bytes, group_id: int):
-        return self._api.ObjectKey(chunk_hash=chunk_hash, model_name=self.namespace,
-                                   kv_rank=self.kv_rank, object_group_id=group_id)
+    def key(self, chunk_hash: bytes, group_id: int, namespace: str | None = None):
+        return self.tier.key(chunk_hash, namespace or self.namespace, self.kv_rank, group_id)
 
     def seal_key(self, chunk_hash: bytes, group_id: int, namespace: str | None = None) -> int:
         """The integrity trailer's key value of an object."""
         return integrity.key64(namespace or self.namespace, chunk_hash, group_id)
 
-    def _l1_prefetch(self, group_id: int, keys: list, lock: bool) -> list[int]:
-        """Indices of `keys` resident in L1 (read-locked if `lock`); L1 only, no wait."""
-        if not keys:
-            return []
-        api = self._api
-        spec = api.PrefetchTaskSpec(
-            key_groups=[api.GroupedObjectKeys(keys=keys, object_group_id=group_id,
-                                              layout_desc=self._layouts[group_id])],
-            fetching_policy="full",
-            lock_mode=api.PrefetchLockMode.LOCK if lock else api.PrefetchLockMode.NO_LOCK)
-        result = self._sm.query_prefetch_status(
-            self._sm.submit_prefetch_task(spec, skip_l2=True))
-        return result.hit_cells[0].get_indices_list() if result else []
+    def _end(self, chain: Sequence[bytes], tokens: int, cls: int) -> EndSpec:
+        cells = [(chain[c], g) for g, c in hit_chunks(self.layout, 0, tokens, self.chunk_size)]
+        return EndSpec((chain[-(-tokens // self.chunk_size) - 1], tokens), cls, tuple(cells))
 
-    # -- lookup: L1 -------------------------------------------------------------------
-    def resident(self, hashes: Sequence[bytes]) -> dict[int, set[int]]:
+    def _sizes(self, cells) -> dict[ChunkKey, int]:
+        return {c: self._bytes[c[1]] for c in cells}
+
+    # -- reads: L1 --------------------------------------------------------------------
+    def resident(self, chain: Sequence[bytes]) -> dict[int, set[int]]:
         """Per group id, the chunk indices whose object sits in L1 and may be offered
         (not possibly brought up by an unverified prefetch, not known bad)."""
         out = {}
         for gid in self._groups:
-            keys = [self.key(h, gid) for h in hashes]
-            out[gid] = {i for i in self._l1_prefetch(gid, keys, lock=False)
+            keys = [self.key(h, gid) for h in chain]
+            out[gid] = {i for i in self.tier.resident(gid, keys, self._layouts[gid], False)
                         if keys[i] not in self._maybe_untrusted and keys[i] not in self._bad}
         return out
 
-    def pin(self, chunk_keys: Iterable[ChunkKey], prefix: Sequence[bytes] = ()
-            ) -> Pinned | None:
-        """Read-lock these objects in L1 and take views of their KV tensors; all or
-        nothing. An object that is missing, untrusted or of another shape is a miss.
-        (`prefix`, the hashes from chunk 0, is for stores that key by it: not this one.)"""
-        chunk_keys = list(chunk_keys)
+    def pin(self, chain: Sequence[bytes], start: int, hit: int,
+            req_id: str = "") -> Pinned | None:
+        """Read-lock the objects of the hit in L1 and take views of their KV tensors; all
+        or nothing. An object that is missing, untrusted or of another shape is a miss.
+        The hit counts as asked for once more by `req_id` (`Capacity.served`)."""
+        cells = [(chain[c], g) for g, c in hit_chunks(self.layout, start, hit, self.chunk_size)]
         locked: list = []
-        pinned = None
+        pinned = done = None
         try:
-            pinned = self._lock_and_view(chunk_keys, locked)
-            return pinned
+            pinned = self._lock_and_view(cells, locked)
+            if pinned is not None:
+                end = self._end(chain, hit, 1)
+                self.capacity.served(end, self._sizes(end.cells), create=start == 0,
+                                     req_id=req_id)
+                pinned.handles.append(end.key)
+            done = pinned
         finally:  # a miss, or a read that raised: none of its locks stays behind
-            if pinned is None and locked:
-                self._sm.finish_read_prefetched(locked)
+            if done is None:
+                self.tier.unlock(locked)
+        return done
 
-    def _lock_and_view(self, chunk_keys: list[ChunkKey], locked: list) -> Pinned | None:
+    def _lock_and_view(self, cells: list[ChunkKey], locked: list) -> Pinned | None:
         """`pin`'s work; adds every key it read-locks to `locked` as soon as it is."""
         for gid in self._groups:
-            mine = [ck for ck in chunk_keys if ck[1] == gid]
-            keys = [self.key(h, gid) for h, _ in mine]
-            hits = self._l1_prefetch(gid, keys, lock=True)
+            keys = [self.key(h, gid) for h, g in cells if g == gid]
+            hits = self.tier.resident(gid, keys, self._layouts[gid], True)
             locked += [keys[i] for i in hits]
             if len(hits) != len(keys):
                 return None
-        keys = [self.key(h, g) for h, g in chunk_keys]
+        keys = [self.key(h, g) for h, g in cells]
         if any(k in self._maybe_untrusted or k in self._bad for k in keys):
             return None
-        found = dict(zip(*self._sm.unsafe_read(keys)))
+        found = self.tier.read(keys)
         views = {}
-        for ck, k in zip(chunk_keys, keys):
-            obj = found.get(k)
-            want = self._layouts[ck[1]]
-            if obj is None or list(obj.get_shapes()) != list(want.shapes) \
-                    or list(obj.get_dtypes()) != list(want.dtypes):
+        for ck, k in zip(cells, keys):
+            obj, want = found.get(k), self._layouts[ck[1]]
+            if obj is None or obj.shapes != list(want.shapes) \
+                    or obj.dtypes != list(want.dtypes):
                 logger.warning("gemma4-kv: stored object for group %d is missing or has "
                                "another shape: treated as a miss", ck[1])
                 return None
-            views[ck] = obj.get_tensor(0)
-        return Pinned(list(locked), views)
+            views[ck] = obj.kv
+        return Pinned(views, [self.namespace, list(locked)])
 
     def release(self, pinned: Pinned | None) -> None:
-        if pinned is not None and pinned.keys:
-            self._sm.finish_read_prefetched(pinned.keys)
-            pinned.keys = []
+        if pinned is None or not pinned.handles:
+            return
+        namespace, keys, end = pinned.handles
+        pinned.handles = []
+        self.tier.unlock(keys)
+        self.capacity.unpinned(end)
+        if namespace != self.namespace:  # reset while loading: nothing tracks them now
+            self.tier.delete(keys)
 
-    def touch(self, chunk_keys: Sequence[ChunkKey]) -> None:
-        """Mark objects as used, in a prefix's chunk order: LMCache's LRU makes the first
-        key the most recent, so it evicts a prefix's tail before the head the tail
-        depends on, and a working set slightly larger than the tier still hits on most
-        of each prefix instead of on none."""
-        if chunk_keys:
-            self._sm.touch_l1_keys([self.key(h, g) for h, g in chunk_keys])
-
-    # -- lookup: L2 -------------------------------------------------------------------
-    def start_prefetch(self, hashes: Sequence[bytes], windows: dict[int, int]) -> Prefetch:
-        """Ask the L2 tiers for the longest prefix of `hashes` they can serve, without
-        waiting: LMCache loads what that prefix needs into L1 (`windows[group]`: the
-        trailing chunks a sliding group needs at a chunk end, -1 for full attention)."""
-        rows = [(gid, list(hashes)) for gid in self._groups]
-        return self._submit([(rows, "prefix", windows)])
-
-    def start_fetch(self, chunk_keys: Iterable[ChunkKey]) -> Prefetch:
-        """Ask the L2 tiers for exactly these objects (one LMCache task per group)."""
-        per_group: dict[int, list[bytes]] = {}
-        for h, gid in chunk_keys:
-            per_group.setdefault(gid, []).append(h)
-        return self._submit([([(gid, hs)], "full", {gid: -1}) for gid, hs in per_group.items()])
-
-    def _submit(self, tasks) -> Prefetch:
-        api = self._api
-        planned = [(policy, windows, [(gid, hs, [self.key(h, gid) for h in hs])
-                                      for gid, hs in rows]) for rows, policy, windows in tasks]
-        keys = [k for _, _, keyed in planned for _, _, ks in keyed for k in ks]
-        held = [ks[i] for _, _, keyed in planned for gid, _, ks in keyed
-                for i in self._l1_prefetch(gid, ks, lock=True)]
-        before = set(held)
-        untrusted = [k for k in keys if k not in before]
-        submitted = []
-        for policy, windows, keyed in planned:
-            groups = [api.GroupedObjectKeys(
-                keys=ks, object_group_id=gid, layout_desc=self._layouts[gid],
-                sliding_window_size=windows[gid] if policy == "prefix" else -1)
-                for gid, _, ks in keyed]
-            spec = api.PrefetchTaskSpec(key_groups=groups, fetching_policy=policy,
-                                        lock_mode=api.PrefetchLockMode.LOCK)
-            submitted.append((self._sm.submit_prefetch_task(spec), keyed))
-        p = Prefetch(submitted, keys, time.monotonic(), held=held, untrusted=untrusted)
-        self._maybe_untrusted.update(untrusted)
-        self._inflight.append(p)
+    # -- reads: L2 --------------------------------------------------------------------
+    def start_prefetch(self, chain: Sequence[bytes], start: int, limit: int) -> Prefetch:
+        """Ask the L2 tiers for the longest prefix of `chain` they can serve, without
+        waiting: LMCache loads what it needs into L1 (each sliding group only its window
+        before each chunk end). Room is made first for the hit asked for (it may evict
+        what a save of it could); without room nothing is asked."""
+        p = _Prefetch(time.monotonic(), chain=tuple(chain), start=start, limit=limit,
+                      namespace=self.namespace)
+        asked = self._end(chain, limit, 1)
+        if not self._make_room(asked):
+            p.finished = True
+            return p
+        self._submit(p, [([(gid, list(chain)) for gid in self._groups], "prefix")])
         return p
+
+    def _make_room(self, asked: EndSpec) -> bool:
+        """Room in L1 for what a prefetch of `asked` may bring up."""
+        missing = [c for c in asked.cells if c not in self.capacity]
+        ok, garbage = self.capacity.room(sum(self._bytes[g] for _, g in missing), asked.key)
+        self._delete(garbage)
+        return ok
+
+    def _submit(self, p: _Prefetch, tasks) -> None:
+        planned = [(policy, [(gid, hs, [self.key(h, gid) for h in hs]) for gid, hs in rows])
+                   for rows, policy in tasks]
+        keys = [k for _, rows in planned for _, _, ks in rows for k in ks]
+        held = [ks[i] for _, rows in planned for gid, _, ks in rows
+                for i in self.tier.resident(gid, ks, self._layouts[gid], True)]
+        before = set(held)
+        p.held += held
+        p.untrusted += [k for k in keys if k not in before]
+        self._maybe_untrusted.update(k for k in keys if k not in before)
+        for policy, rows in planned:
+            handle = self.tier.prefetch(
+                [(gid, ks, self._layouts[gid], self._windows[gid] if policy == "prefix"
+                  else -1) for gid, _, ks in rows], policy)
+            p.tasks.append((handle, rows))
+            p.results.append(None)
+        if p not in self._inflight:
+            self._inflight.append(p)
 
     def poll(self) -> None:
         """Settle every finished prefetch: verify what it loaded from L2, drop what fails,
-        release its locks (also of prefetches whose lookup gave up waiting)."""
+        release its locks (also of prefetches whose lookup gave up waiting). LMCache's
+        prefix fetch serves chunk ends: a hit ending inside a chunk may need one more
+        window chunk, and an object that failed leaves a shorter hit that needs other
+        window chunks; up to two targeted fetches follow (`_next_fetch`)."""
         still = []
         for p in self._inflight:
-            results = getattr(p, "_results", None) or [None] * len(p.tasks)
             for i, (handle, _) in enumerate(p.tasks):
-                if results[i] is None:
-                    results[i] = self._sm.query_prefetch_status(handle)
-            p._results = results
-            if any(r is None for r in results):
+                if p.results[i] is None:
+                    p.results[i] = self.tier.prefetch_outcome(handle)
+            if any(r is None for r in p.results):
                 still.append(p)
                 continue
-            self._settle(p, results)
+            self._settle(p)
+            missing = self._next_fetch(p) if p.rounds < 3 else []
+            if missing:
+                p.rounds += 1
+                p.asked.update(missing)
+                per_group: dict[int, list[bytes]] = {}
+                for h, gid in missing:
+                    per_group.setdefault(gid, []).append(h)
+                p.tasks, p.results = [], []
+                self._submit(p, [([(gid, hs)], "full") for gid, hs in per_group.items()])
+                still.append(p)
+            else:
+                p.finished = True
         self._inflight = still
 
-    def _settle(self, p: Prefetch, results) -> None:
-        locked, bad, strays, held = [], [], {}, set(p.held)
-        for (_, rows), result in zip(p.tasks, results):
+    def _next_fetch(self, p: _Prefetch) -> list[ChunkKey]:
+        """What L1 lacks of the longest hit (at most `p.limit`) still within reach: one
+        whose full-attention chunks L1 holds (the prefix fetch brought every one L2 had)
+        and none of whose objects is known bad or was asked for in vain. Nothing if that
+        hit is servable already."""
+        resident = self.resident(p.chain)
+        c = self.chunk_size
+        for end in sorted({p.limit} | set(range(c, p.limit, c)), reverse=True):
+            if end <= p.start:
+                break
+            cells = hit_chunks(self.layout, p.start, end, c)
+            if any(ch not in resident[g] for g, ch in cells if g in self._full):
+                continue
+            keys = [(p.chain[ch], g) for g, ch in cells if ch not in resident[g]]
+            if any(k in p.asked or self.key(*k) in self._bad for k in keys):
+                continue
+            return keys
+        return []
+
+    def _settle(self, p: _Prefetch) -> None:
+        locked, bad, strays, held, landed = [], [], {}, set(p.held), {}
+        for (_, rows), result in zip(p.tasks, p.results):
             for row, (gid, hashes, keys) in enumerate(rows):
-                loaded = set(result.l2_hit_cells[row].get_indices_list())
-                hit = result.hit_cells[row].get_indices_list()
+                loaded = set(result.from_l2[row])
+                hit = result.hit[row]
                 for i in hit:
                     key = keys[i]  # as submitted: the namespace may have changed since
                     locked.append(key)
                     if i in loaded:
                         if self._verified(key, hashes[i], gid):
                             p.loaded.add((hashes[i], gid))
+                            landed[(hashes[i], gid)] = self._bytes[gid]
                         else:
                             bad.append(key)
                 hit = set(hit)
                 strays.setdefault(gid, []).extend(
                     (keys[i], hashes[i]) for i in range(len(keys))
                     if i not in hit and keys[i] not in held)
-        if locked:
-            self._sm.finish_read_prefetched(locked)
-        bad += self._verify_strays(strays)
-        if p.held:
-            self._sm.finish_read_prefetched(p.held)
+        more, stray_landed = self._verify_strays(strays)
+        bad += more
+        if p.namespace == self.namespace:
+            # Tracked from now on: the hit's objects are held for the lookup's pin (if
+            # it still waits), what no hit needs is deleted (strays at once).
+            self.capacity.kept({**landed, **stray_landed})
+            if not p.done_with:
+                self.capacity.hold(p.owner, landed)
+        self.tier.unlock(locked)
+        self.tier.unlock(p.held)
         if bad:
             self._bad.update(bad)
-            self._sm.delete_l1_keys(bad)
-            for adapter in self._l2():
-                adapter.delete(bad)
-            p.rejected = len(bad)
+            self.tier.delete_everywhere(bad)
+            self.capacity.dropped([(k.chunk_hash, k.object_group_id) for k in bad])
+            p.rejected += len(bad)
             if self.stats is not None:
                 self.stats.add("rejected_objects", len(bad))
             logger.warning("gemma4-kv: %d object(s) from an L2 tier failed verification "
@@ -336,132 +326,148 @@ class ChunkStore:
                            len(bad))
         self._maybe_untrusted.subtract(p.untrusted)
         self._maybe_untrusted += Counter()  # drop zero counts
-        p.held, p.finished = [], True
+        p.held, p.untrusted = [], []
 
-    def _verify_strays(self, strays: dict[int, list]) -> list:
+    def _verify_strays(self, strays: dict[int, list]) -> tuple[list, dict]:
         """Objects a prefetch brought into L1 but left out of the hit it reports: LMCache
         keeps them there unlocked (e.g. those past a value that failed to load, which ends
-        a prefix). Verified like the hit; the keys of those that fail."""
-        bad = []
-        for gid, pairs in strays.items() if self.config.verify_checksums else ():
+        a prefix). Verified like the hit: (bad keys, sizes of the good ones)."""
+        bad, good = [], {}
+        for gid, pairs in strays.items():
             keys = [k for k, _ in pairs]
-            held = self._l1_prefetch(gid, keys, lock=True)  # locked: eviction may not
-            try:                                            # free them while we read
-                bad += [keys[i] for i in held if not self._verified(keys[i], pairs[i][1], gid)]
+            held = self.tier.resident(gid, keys, self._layouts[gid], True)  # locked:
+            try:                                            # not deleted while we read
+                for i in held:
+                    if self._verified(keys[i], pairs[i][1], gid):
+                        good[(pairs[i][1], gid)] = self._bytes[gid]
+                    else:
+                        bad.append(keys[i])
             finally:
-                if held:
-                    self._sm.finish_read_prefetched([keys[i] for i in held])
-        return bad
+                self.tier.unlock([keys[i] for i in held])
+        return bad, good
 
     def _verified(self, key, chunk_hash: bytes, gid: int) -> bool:
         if not self.config.verify_checksums:
             return True
-        _, objs = self._sm.unsafe_read([key])
-        if not objs:
-            return False
-        obj = objs[0]
-        return integrity.verify(obj.get_tensor(0), obj.get_tensor(1),
-                                integrity.key64(key.model_name, chunk_hash, gid))
+        obj = self.tier.read([key]).get(key)
+        return obj is not None and integrity.verify(
+            obj.kv, obj.trailer, integrity.key64(key.model_name, chunk_hash, gid))
 
-    def _l2(self) -> list:
-        return [adapter for _, adapter in self._sm.l2_adapters()]
+    def finish_prefetch(self, prefetch: Prefetch) -> None:
+        """The lookup is done with this prefetch (it pinned its hit, or gave up): what it
+        brought up and no hit holds goes."""
+        if isinstance(prefetch, _Prefetch):
+            prefetch.done_with = True
+            self._delete(self.capacity.finished(prefetch.owner))
 
-    # -- write ------------------------------------------------------------------------
-    def reserve(self, chunks: Sequence[tuple[bytes, Sequence[int]]],
-                prefix: Sequence[bytes] = ()
-                ) -> dict[ChunkKey, tuple[torch.Tensor, torch.Tensor, int]]:
-        """Empty objects to fill for `chunks` = [(chunk hash, group ids to store)], as
-        {(hash, group): (KV tensor, trailer tensor, trailer key)}. Objects already in
-        L1 are skipped; a chunk that cannot get all its missing objects gets none.
-        (`prefix` as in `pin`: unused here.)"""
-        wanted = {gid: [] for gid in self._groups}
-        for h, gids in chunks:
-            for gid in gids:
-                wanted[gid].append(h)
-        for gid, hs in wanted.items():
-            keys = [self.key(h, gid) for h in hs]
-            stored = set(self._l1_prefetch(gid, keys, lock=False))
-            wanted[gid] = [h for i, h in enumerate(hs) if i not in stored]
-        got: dict[ChunkKey, object] = {}
-        for gid, hs in wanted.items():
-            if hs:
-                got.update(self._reserve_group(gid, hs))
-        out = {}
-        for h, gids in chunks:
-            missing = [g for g in gids if h in wanted[g]]
-            if all((h, g) in got for g in missing):
-                if missing:
-                    self._reserved[h] = [self.key(h, g) for g in missing]
-                for g in missing:
-                    obj = got[(h, g)]
-                    out[(h, g)] = (obj.get_tensor(0), obj.get_tensor(1),
-                                   self.seal_key(h, g))
-            else:
-                self._discard([self.key(h, g) for g in missing if (h, g) in got])
-        return out
+    # -- writes -----------------------------------------------------------------------
+    def reserve(self, write: ChunkWrite) -> Reservation:
+        """Empty objects for the chunks of `write` that a hit the store admits needs
+        (`Capacity.plan`), in the room `Capacity.grant` makes, as {(hash, group): (KV
+        tensor, trailer tensor, trailer key)}; objects in L1 already are skipped."""
+        chain = write.chain
+        ends = [self._end(chain, t, cls) for t, cls in write.ends
+                if -(-t // self.chunk_size) <= len(chain)]
+        self.capacity.plan(write.req_id, ends, self._sizes({c for e in ends for c in e.cells}))
+        cells = [(chain[write.first + i], g) for i, gids in enumerate(write.groups)
+                 for g in gids]
+        self._reconcile(cells)
+        granted, garbage = self.capacity.grant(write.req_id,
+                                               self._sizes(self.capacity.wanted(cells)))
+        self._delete(garbage)
+        res = _Reservation({}, namespace=self.namespace)
+        for gid in self._groups:
+            mine = [h for h, g in granted if g == gid]
+            got = self.tier.reserve([self.key(h, gid) for h in mine], self._layouts[gid])
+            for key, (kv, trailer) in got.items():
+                res.objects[(key.chunk_hash, gid)] = (kv, trailer,
+                                                      self.seal_key(key.chunk_hash, gid))
+                res.keys.append(key)
+        self.capacity.reserved(self._sizes(res.objects))
+        short = [c for c in granted if c not in res.objects]
+        if short:  # L1 had less room than counted (alignment): their hits cannot complete
+            self._delete(self.capacity.dropped(short))
+        return res
 
-    def _reserve_group(self, gid: int, hashes: list[bytes]) -> dict[ChunkKey, object]:
-        keys = [self.key(h, gid) for h in hashes]
-        got = self._sm.reserve_write(keys, self._layouts[gid])
-        need = self._object_bytes(gid)
-        for attempt in range(3):  # no room: evict now rather than wait for LMCache's tick
-            short = [k for k in keys if k not in got]
-            if not short or not self._evict_now(len(short) * need * 2 ** attempt):
-                break
-            got.update(self._sm.reserve_write(short, self._layouts[gid]))
-        return {(k.chunk_hash, gid): got[k] for k in keys if k in got}
+    def _reconcile(self, cells: list[ChunkKey]) -> None:
+        """Objects the account holds as stored that L1 no longer has (deleted behind the
+        store's back) leave the account, with the hits that needed them: a save stores
+        them again."""
+        gone, stored = [], self.capacity.stored_among(cells)
+        for gid in self._groups:
+            mine = [h for h, g in stored if g == gid]
+            if mine:
+                keys = [self.key(h, gid) for h in mine]
+                here = set(self.tier.resident(gid, keys, self._layouts[gid], False))
+                gone += [(h, gid) for i, h in enumerate(mine) if i not in here]
+        if gone:
+            self._delete(self.capacity.dropped(gone))
 
-    def _object_bytes(self, gid: int) -> int:
-        want = self._layouts[gid]
-        return sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
-                   for s, d in zip(want.shapes, want.dtypes))
-
-    def _evict_now(self, nbytes: int) -> bool:
-        """Run one pass of LMCache's L1 eviction policy for about `nbytes`. LMCache evicts
-        only from a background loop once a second; this calls the same policy and action
-        on the same controller (private attributes of its StorageManager)."""
-        try:
-            controller = self._sm._eviction_controller
-            used, total = self._sm.get_l1_usage()
-            if used <= 0:
-                return False
-            ratio = min(1.0, 1.2 * nbytes / used + 0.01)
-            actions = controller._eviction_policy.get_eviction_actions(
-                ratio, key_eligible_filter=controller._l1_manager.is_key_evictable)
-            for action in actions:
-                controller.execute_eviction_action(action)
-            return bool(actions)
-        except AttributeError:  # another LMCache: fall back to its background loop
-            logger.warning("gemma4-kv: cannot evict on demand with this LMCache version")
-            return False
-
-    def commit(self, chunk_hash: bytes) -> None:
-        keys = self._reserved.pop(chunk_hash, [])
-        self._sm.finish_write(keys)
+    def commit(self, reservation: Reservation) -> None:
+        if not isinstance(reservation, _Reservation) or not reservation.keys:
+            return
+        keys, reservation.keys = reservation.keys, []
+        if reservation.namespace != self.namespace:  # reset while it was being written
+            self.tier.discard(keys)
+            return
+        self.tier.publish(keys)
         self._bad.difference_update(keys)  # a fresh copy replaces one that failed
+        self.capacity.stored(reservation.objects)
 
-    def abort(self, chunk_hash: bytes) -> None:
-        self._discard(self._reserved.pop(chunk_hash, []))
+    def abort(self, reservation: Reservation) -> None:
+        if not isinstance(reservation, _Reservation) or not reservation.keys:
+            return
+        keys, reservation.keys = reservation.keys, []
+        self.tier.discard(keys)
+        if reservation.namespace == self.namespace:
+            self._delete(self.capacity.dropped(reservation.objects))
 
-    def _discard(self, keys) -> None:
-        if keys:
-            # LMCache has no public abort; this is what its own prefetch controller calls.
-            self._sm._l1_manager.finish_write_and_delete(keys, tag="storage_manager")
+    def on_request_finished(self, req_id: str) -> None:
+        """Hits only this request was completing are given up (it was aborted, or its
+        prompt ended elsewhere than planned), and what they held goes."""
+        self._delete(self.capacity.finished(req_id))
+
+    def delete(self, cells: Sequence[ChunkKey]) -> None:
+        """Delete these objects from L1 (hits needing them go too); read-locked ones go
+        once released."""
+        self._delete(list(cells) + self.capacity.dropped(cells))
+
+    def drop_l1(self) -> None:
+        """Empty L1, as a fresh engine's is (the L2 tiers keep theirs); objects a reader
+        holds go once released."""
+        self.delete(self.capacity.tracked())
+        self.tier.clear()
+
+    def _delete(self, cells: Sequence[ChunkKey]) -> None:
+        """Delete objects L1 keeps for no hit; those a reader still holds are kept and
+        deleted later (`Capacity.kept`)."""
+        if not cells:
+            return
+        for gid in self._groups:
+            keys = [self.key(h, gid) for h, g in cells if g == gid]
+            if not keys:
+                continue
+            self.tier.delete(keys)
+            left = self.tier.resident(gid, keys, self._layouts[gid], False)
+            if left:
+                self.capacity.kept({(keys[i].chunk_hash, gid): self._bytes[gid]
+                                    for i in left})
+        if self.stats is not None:
+            self.stats.add("evicted_objects", len(cells))
 
     # -- misc -------------------------------------------------------------------------
     def reset(self) -> bool:
         """Make everything stored so far unreachable: a new generation in every key, so
         nothing of the old one can be found in any tier, and L1 cleared of it (objects
-        still pinned by a load in flight stay until released)."""
+        still pinned by a load in flight go when released)."""
         self.namespace = f"{self.fingerprint}-g{uuid.uuid4().hex[:12]}"
-        self._sm.clear(force=False)
+        self.tier.clear()
+        self.capacity.clear()
         return True
 
     def usage(self) -> tuple[int, int]:
         """(used, total) bytes of the CPU tier."""
-        return self._sm.get_l1_usage()
+        return self.tier.usage()
 
     def close(self) -> None:
-        for h in list(self._reserved):
-            self.abort(h)
-        self._sm.close()
+        self.tier.close()

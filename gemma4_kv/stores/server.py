@@ -1,14 +1,14 @@
-"""The chunk store on a running `lmcache server` (`lmcache_server`): `store.ChunkStore`'s
-interface over `mp_server.MPServerTier`, so several engines on one host share the
-server's L1 and its L2 tiers while keeping gemma4-kv's keys, window-aware loads and movers.
+"""The chunk store on a running `lmcache server` (`lmcache_server`): the store interface
+over `server_tier.MPServerTier`, so several engines on one host share the server's L1
+and its L2 tiers while keeping gemma4-kv's keys, window-aware loads and movers.
 
 What differs from the embedded store:
 - Every lookup asks the server without waiting (`start_prefetch`: the server may read
-  its L2 tiers) and is answered `pending` once; `poll` settles it, and the locks the
-  server took stay held for the `pin` that follows (`_ready`), which keeps the hit's
-  objects and frees the rest.
-- The server keys a chunk by its whole prefix (it rehashes from chunk 0): `pin` and
-  `reserve` take the hashes from chunk 0 (`prefix`).
+  its L2 tiers); `poll` settles it, and the locks the server took stay held for the
+  `pin` that follows (`_ready`), which keeps the hit's objects and frees the rest;
+  `finish_prefetch` frees them if no pin came.
+- The server keys a chunk by its whole prefix (it rehashes from chunk 0): every call
+  sends the chain from chunk 0.
 - 0.5.6 reports the leading run of chunks per group, so a sliding group past a missing
   chunk has no hit: the settings store sliding groups densely (`retention_interval` 0).
 - Every object read from the server is verified (integrity trailer) before it is
@@ -18,6 +18,7 @@ What differs from the embedded store:
 - A server that does not answer costs one `timeout_s` on the thread that finds out;
   from then on every call is a miss or a skipped save at once, until its heartbeat gets
   answers again (`MPServerTier._beat`).
+- What the server keeps is its own LRU's choice: `ChunkWrite.ends` are not used.
 """
 
 from __future__ import annotations
@@ -26,19 +27,18 @@ import logging
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from . import integrity
 from ..layout.groups import KVLayout
-from .embedded import ChunkKey, Pinned, Prefetch
-from .server_tier import Lookup, MPServerTier, ServerUnavailable, Write, _runs
+from ..layout.plan import hit_chunks
+from . import integrity
+from .base import ChunkStore, ChunkWrite, Pinned, Prefetch, Reservation
+from .server_tier import Lookup, MPServerTier, Write
+from .server_wire import ServerUnavailable, runs
 
 logger = logging.getLogger(__name__)
 
-READY_TTL_S = 10.0
-"""How long a settled lookup keeps its locks for the pin that should follow (vLLM asks
-again next step); then they are freed and the next lookup asks the server again."""
 ABANDON_S = 60.0
 """A lookup the server has not finished in this long is given up (its locks expire with
 the server's read-lock TTL)."""
@@ -50,7 +50,12 @@ class _Prefetch(Prefetch):
     hashes: tuple[bytes, ...] = ()
 
 
-class ServerStore:
+@dataclass
+class _Reservation(Reservation):
+    write: Write | None = None
+
+
+class ServerStore(ChunkStore):
     """Objects per (chunk, group) in a shared `lmcache server`; see the module doc."""
 
     def __init__(self, layout: KVLayout, fingerprint: str, chunk_size: int, *, url: str,
@@ -65,8 +70,6 @@ class ServerStore:
         # Settled lookups per prefix, newest last (requests with one prefix each get
         # their own): lookup thread only.
         self._ready: dict[tuple[bytes, ...], list[tuple[float, Lookup]]] = {}
-        self._open: dict[bytes, Write] = {}  # model thread
-        self._left: dict[int, set[bytes]] = {}
         self._bad: set[tuple[str, bytes, int]] = set()
 
     @property
@@ -75,24 +78,19 @@ class ServerStore:
         return self.tier.healthy
 
     # -- lookup -----------------------------------------------------------------------
-    def start_prefetch(self, hashes: Sequence[bytes], windows: dict[int, int]) -> Prefetch:
-        """One server lookup of the prefix `hashes` (0.5.6 ignores windows: every group
-        gets its leading run)."""
-        p = _Prefetch([], [], time.monotonic(), hashes=tuple(hashes))
+    def start_prefetch(self, chain: Sequence[bytes], start: int, limit: int) -> Prefetch:
+        """One server lookup of `chain` (0.5.6 ignores windows: every group gets its
+        leading run)."""
+        p = _Prefetch(time.monotonic(), hashes=tuple(chain))
         try:
-            p.lookup = self.tier.start_lookup(hashes)
+            p.lookup = self.tier.start_lookup(chain)
             self._inflight.append(p)
         except ServerUnavailable:
             p.finished = True
         return p
 
-    def start_fetch(self, chunk_keys: Iterable[ChunkKey]) -> Prefetch:
-        """Nothing to fetch: the server's lookup already brought up the leading runs."""
-        return _Prefetch([], [], time.monotonic(), finished=True)
-
     def poll(self) -> None:
-        """Settle finished lookups (their locks wait in `_ready` for the pin), and free
-        the locks of settled lookups no pin came for."""
+        """Settle finished lookups: their locks wait in `_ready` for the pin."""
         now, still = time.monotonic(), []
         for p in self._inflight:
             try:
@@ -107,16 +105,19 @@ class ServerStore:
             if done:
                 self._ready.setdefault(p.hashes, []).append((now, p.lookup))
         self._inflight = still
-        for hashes, entries in list(self._ready.items()):
-            fresh = [(t, lk) for t, lk in entries
-                     if now - t <= READY_TTL_S and lk.space is self.tier._space]
-            for t, lk in entries:
-                if not any(lk is k for _, k in fresh):
-                    self._drop(lk)
-            if fresh:
-                self._ready[hashes] = fresh
-            else:
-                del self._ready[hashes]
+
+    def finish_prefetch(self, prefetch: Prefetch) -> None:
+        """Free the locks of the prefetch's lookup unless a pin kept them."""
+        if not isinstance(prefetch, _Prefetch) or prefetch.lookup is None:
+            return
+        entries = self._ready.get(prefetch.hashes, [])
+        for i, (_, lk) in enumerate(entries):
+            if lk is prefetch.lookup:
+                del entries[i]
+                self._drop(lk)
+                break
+        if not entries:
+            self._ready.pop(prefetch.hashes, None)
 
     def _drop(self, lk: Lookup | None) -> None:
         if lk is not None and self.tier.healthy:
@@ -125,37 +126,36 @@ class ServerStore:
             except ServerUnavailable:
                 pass
 
-    def resident(self, hashes: Sequence[bytes]) -> dict[int, set[int]]:
-        """Per group id, the chunk indices the last settled lookup of exactly `hashes`
+    def resident(self, chain: Sequence[bytes]) -> dict[int, set[int]]:
+        """Per group id, the chunk indices the last settled lookup of exactly `chain`
         found (a leading run, cut at the first object known bad); nothing otherwise."""
-        entries = self._ready.get(tuple(hashes))
+        entries = self._ready.get(tuple(chain))
         out = {g.group_id: set() for g in self.layout.groups}
         if not entries:
             return out
         lk = entries[-1][1]
         for g, n in lk.found.items():
             for c in range(n):
-                if (lk.space.namespace, hashes[c], g) in self._bad:
+                if (lk.space.namespace, chain[c], g) in self._bad:
                     break
                 out[g].add(c)
         return out
 
-    def pin(self, chunk_keys: Iterable[ChunkKey], prefix: Sequence[bytes] = ()
-            ) -> Pinned | None:
-        """Hold these objects on the server, map them and verify them; all or nothing.
-        `prefix`: the hashes from chunk 0 (the server keys a chunk by its prefix)."""
-        chunk_keys = list(chunk_keys)
-        index = {h: i for i, h in enumerate(prefix)}
-        if not chunk_keys or any(h not in index for h, _ in chunk_keys):
+    def pin(self, chain: Sequence[bytes], start: int, hit: int,
+            req_id: str = "") -> Pinned | None:
+        """Hold the objects of the hit on the server, map them and verify them; all or
+        nothing."""
+        cells = [(c, g) for g, c in hit_chunks(self.layout, start, hit, self.chunk_size)]
+        if not cells or max(c for c, _ in cells) >= len(chain):
             return None
-        cells = [(index[h], g) for h, g in chunk_keys]
-        entries = self._ready.get(tuple(prefix))
+        chunk_keys = [(chain[c], g) for c, g in cells]
+        entries = self._ready.get(tuple(chain))
         lk = entries.pop()[1] if entries else None
         if entries is not None and not entries:
-            del self._ready[tuple(prefix)]
+            del self._ready[tuple(chain)]
         pin = None
         try:
-            pin = self.tier.keep(lk, cells) if lk else self.tier.lock(prefix, cells)
+            pin = self.tier.keep(lk, cells) if lk else self.tier.lock(chain, cells)
             objects = self.tier.read(pin) if pin is not None else None
         except ServerUnavailable:
             objects = None
@@ -173,7 +173,7 @@ class ServerStore:
                            self.tier.url)
             self._release_pin(pin)
             return None
-        return Pinned([pin], {ck: kv for ck, (kv, _) in zip(chunk_keys, objects)})
+        return Pinned({ck: kv for ck, (kv, _) in zip(chunk_keys, objects)}, [pin])
 
     def _release_pin(self, pin) -> None:
         if pin is not None:
@@ -183,67 +183,50 @@ class ServerStore:
                 pass
 
     def release(self, pinned: Pinned | None) -> None:
-        if pinned is not None and pinned.keys:
-            for pin in pinned.keys:
+        if pinned is not None and pinned.handles:
+            for pin in pinned.handles:
                 self._release_pin(pin)
-            pinned.keys = []
-
-    def touch(self, chunk_keys: Sequence[ChunkKey]) -> None:
-        """Nothing: the server touches a lookup's objects when its session ends."""
+            pinned.handles = []
 
     # -- write ------------------------------------------------------------------------
-    def reserve(self, chunks: Sequence[tuple[bytes, Sequence[int]]],
-                prefix: Sequence[bytes] = ()
-                ) -> dict[ChunkKey, tuple[object, object, int]]:
-        """Empty objects in the server's L1 for `chunks` = [(chunk hash, group ids)], as
-        {(hash, group): (KV view, trailer view, trailer key)}; `prefix`: the hashes from
-        chunk 0 up to the last of `chunks`. Chunks the server holds already, or has no
-        room for, get none (a chunk may be stored for some of its groups only: each
-        object stands alone)."""
-        index = {h: i for i, h in enumerate(prefix)}
+    def reserve(self, write: ChunkWrite) -> Reservation:
+        """Empty objects in the server's L1 for the chunks of `write`, keyed by its chain
+        from chunk 0. Chunks the server holds already, or has no room for, get none (a
+        chunk may be stored for some of its groups only: each object stands alone)."""
+        prefix = write.chain[:write.first + len(write.groups)]
         per_group: dict[int, set[int]] = defaultdict(set)
-        for h, gids in chunks:
-            if h in index:
-                for g in gids:
-                    per_group[g].add(index[h])
+        for i, gids in enumerate(write.groups):
+            for g in gids:
+                per_group[g].add(write.first + i)
         if not per_group or not self.tier.healthy:
-            return {}
+            return _Reservation({})
         try:
-            write = self.tier.reserve(prefix, {g: _runs(cs) for g, cs in per_group.items()})
+            w = self.tier.reserve(prefix, {g: runs(cs) for g, cs in per_group.items()})
         except ServerUnavailable:
-            return {}
-        ns, out = write.space.namespace, {}
-        for (c, g), (kv, trailer) in write.objects.items():
-            out[(prefix[c], g)] = (kv, trailer, integrity.key64(ns, prefix[c], g))
-        hashes = {h for h, _ in out}
-        if hashes:
-            self._left[id(write)] = hashes
-            self._open.update((h, write) for h in hashes)
-        return out
+            return _Reservation({})
+        ns = w.space.namespace
+        return _Reservation({(prefix[c], g): (kv, trailer, integrity.key64(ns, prefix[c], g))
+                             for (c, g), (kv, trailer) in w.objects.items()}, w)
 
-    def commit(self, chunk_hash: bytes) -> None:
-        write = self._open.pop(chunk_hash, None)
-        if write is None:
+    def commit(self, reservation: Reservation) -> None:
+        w = getattr(reservation, "write", None)
+        if w is None:
             return
-        left = self._left[id(write)]
-        left.discard(chunk_hash)
-        if not left:  # every chunk of the reservation is filled: one commit per range
-            del self._left[id(write)]
-            try:
-                if not self.tier.commit(write):
-                    logger.warning("gemma4-kv: %s did not take a commit", self.tier.url)
-            except ServerUnavailable:
-                pass
-
-    def abort(self, chunk_hash: bytes) -> None:
-        """Give up the reservation holding this chunk (and its other chunks)."""
-        write = self._open.pop(chunk_hash, None)
-        if write is None:
-            return
-        for h in self._left.pop(id(write), ()):
-            self._open.pop(h, None)
+        reservation.write = None
         try:
-            self.tier.abort(write)
+            if not self.tier.commit(w):
+                logger.warning("gemma4-kv: %s did not take a commit", self.tier.url)
+        except ServerUnavailable:
+            pass
+
+    def abort(self, reservation: Reservation) -> None:
+        """Give up the reservation (its objects expire unseen on the server)."""
+        w = getattr(reservation, "write", None)
+        if w is None:
+            return
+        reservation.write = None
+        try:
+            self.tier.abort(w)
         except ServerUnavailable:
             pass
 
@@ -264,8 +247,6 @@ class ServerStore:
         return 0, self.tier.pool_size
 
     def close(self) -> None:
-        for h in list(self._open):
-            self.abort(h)
         self._drop_ready()
         self.tier.close()
 

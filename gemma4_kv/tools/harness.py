@@ -59,26 +59,6 @@ def tiny_gemma4_config(*, layers: int = 12, kv_shared: int = 0, window: int = 10
     return cfg
 
 
-def tiny_assistant_config(target, *, layers: int = 4, hidden: int = 64):
-    """A Gemma 4 MTP assistant for `target` (its draft layers share target KV)."""
-    import transformers
-
-    sliding, full = target.per_layer_config[0], target.per_layer_config[-1]
-    text = transformers.Gemma4TextConfig(
-        vocab_size=target.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=sliding.num_key_value_heads, head_dim=sliding.head_dim,
-        global_head_dim=full.head_dim,
-        sliding_window=target.sliding_window,
-        layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
-        hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
-        hidden_activation="gelu_pytorch_tanh")
-    cfg = transformers.Gemma4AssistantConfig(text_config=text,
-                                             backbone_hidden_size=target.hidden_size)
-    cfg.architectures = ["Gemma4AssistantForCausalLM"]
-    return cfg
-
-
 def save_config(cfg, path: str | Path) -> str:
     Path(path).mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(path)
@@ -86,11 +66,13 @@ def save_config(cfg, path: str | Path) -> str:
 
 
 def connector_config(extra: dict, *, role: str = "kv_both",
-                     connector: str = "Gemma4KVConnector",
-                     module: str = "gemma4_kv.connector") -> dict:
-    """vLLM's `kv_transfer_config` that loads this connector."""
-    return {"kv_connector": connector, "kv_connector_module_path": module, "kv_role": role,
-            "kv_connector_extra_config": extra}
+                     connector: str = "Gemma4KVConnector", module: str | None = None) -> dict:
+    """vLLM's `kv_transfer_config` that loads this connector: by the name its vLLM plugin
+    registers, or from `module` (`kv_connector_module_path`)."""
+    config = {"kv_connector": connector, "kv_role": role, "kv_connector_extra_config": extra}
+    if module is not None:
+        config["kv_connector_module_path"] = module
+    return config
 
 
 def shim_kwargs() -> dict:
@@ -124,7 +106,7 @@ def run(spec: dict) -> dict:
         kwargs["kv_transfer_config"] = connector_config(
             spec.get("extra_config", {}), role=spec.get("kv_role", "kv_both"),
             connector=spec.get("connector_class", "Gemma4KVConnector"),
-            module=spec.get("connector_module", "gemma4_kv.connector"))
+            module=spec.get("connector_module"))
     if spec.get("loras"):
         kwargs.setdefault("enable_lora", True)
     t0 = time.perf_counter()
@@ -218,18 +200,6 @@ def sharpen_dummy_weights(worker) -> int:
             t.data.fill_(1.0)
             n += 1
     return n
-
-
-def perturb_weights(worker, name: str = "model.layers.0.self_attn.k_norm.weight",
-                    seed: int = 7, scale: float = 0.5) -> float:
-    """collective_rpc target: change one weight in place, as an RL weight update does
-    (norm weights: on CPU, linear weights are repacked and their `.weight` is empty)."""
-    import torch
-
-    p = dict(worker.model_runner.model.named_parameters())[name]
-    gen = torch.Generator().manual_seed(seed)
-    p.data.add_(torch.randn(p.shape, generator=gen).to(p.dtype) * scale)
-    return float(p.data.abs().mean())
 
 
 def _all_counters(llm) -> list:

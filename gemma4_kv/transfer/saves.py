@@ -1,60 +1,50 @@
-"""Saves: the chunks a step completed, from vLLM's cache into the store.
+"""Saves: the chunks a step completed, from vLLM's cache into the store, as jobs.
 
-`save` runs in `wait_for_save`, on the model thread, while the blocks are certainly
+`submit` runs in `wait_for_save`, on the model thread, while the blocks are certainly
 still the request's: it reserves the objects, starts the copies (`Transfer.save`) and
-queues a commit behind a fence event. `commit_ready` commits every save whose copies
-have landed (trailers still owed are written on the host first), never waiting for
-one unless asked to (shutdown). When a request ends its chunks are touched in order,
-so LRU eviction takes a prefix's tail before the head the rest depends on.
+queues the commit behind a fence event; the commit runs once the copies have landed
+(trailers still owed are written on the host first). A request's end is queued behind
+its saves, so the store learns it only after its last objects are committed.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 
-from ..stores import integrity
-from ..connector.metadata import SaveRequest, TouchRequest
 from ..layout.plan import save_blocks
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Pending:
-    event: object  # torch.cuda.Event, or None when the copies were synchronous
-    hashes: list[bytes]
-    keep: list  # tensors the copies read until the event fires
-    host_seals: list  # (KV, trailer, key) whose trailer is written once copied
+from ..stores import integrity
+from ..stores.base import ChunkStore, Reservation
+from .jobs import FinishJob, JobQueue, SaveJob
 
 
-class Saver:
-    def __init__(self, store, layout, caches, transfer, pool, chunk_size: int, stats,
-                 record):
+class Saves(JobQueue):
+    def __init__(self, store: ChunkStore, layout, caches, transfer, pool, chunk_size: int,
+                 stats, record):
+        super().__init__()
         self.store, self.layout, self.caches = store, layout, caches
         self.transfer, self.pool, self.chunk_size = transfer, pool, chunk_size
         self.stats, self.record = stats, record
-        self._pending: list[_Pending] = []
 
-    def save(self, save: SaveRequest) -> None:
+    def submit(self, job: SaveJob) -> None:
         t0 = time.perf_counter()
-        wanted, plans = [], {}
-        for i, (h, groups) in enumerate(zip(save.hashes, save.groups)):
-            blocks = save_blocks(self.layout, save.first_chunk + i, self.chunk_size,
-                                 save.block_ids, groups)
-            if blocks:
-                plans[h] = blocks
-                wanted.append((h, [cb.group_id for cb in blocks]))
-        objects = self.store.reserve(wanted, save.prefix + save.hashes) if wanted else {}
+        write = job.write
+        plans = {}
+        for i, groups in enumerate(write.groups):
+            blocks = save_blocks(self.layout, write.first + i, self.chunk_size,
+                                 job.block_ids, groups)
+            plans[write.chain[write.first + i]] = blocks
+        # Groups whose blocks were already freed (the null block) cannot be stored.
+        write.groups = [tuple(cb.group_id for cb in plans[write.chain[write.first + i]])
+                        for i in range(len(write.groups))]
+        reservation = self.store.reserve(write) if any(write.groups) else Reservation({})
         per_group = defaultdict(list)
         for h, blocks in plans.items():
             for cb in blocks:
-                if (h, cb.group_id) in objects:
-                    per_group[cb.group_id].append((cb, objects[(h, cb.group_id)]))
-        committed = [h for h, gids in wanted if any((h, g) in objects for g in gids)]
-        if not committed:
+                if (h, cb.group_id) in reservation.objects:
+                    per_group[cb.group_id].append((cb, reservation.objects[(h, cb.group_id)]))
+        if not per_group:
+            self.store.abort(reservation)
             return
         keep, host_seals, planned = [], [], []
         for gid, items in per_group.items():
@@ -67,25 +57,17 @@ class Saver:
             blocks = sum(len(cb.block_ids) for cb, _ in items)
             self.stats.add("save_blocks", blocks)
             self.stats.add("save_bytes", blocks * group.page_bytes * len(group.layers), gid)
-        self._pending.append(_Pending(self.transfer.fence(), committed, keep, host_seals))
-        end = (save.first_chunk + len(save.hashes)) * self.chunk_size
-        self.record("save", save.req_id, save.first_chunk * self.chunk_size, end, planned, t0)
 
-    def commit_ready(self, wait: bool = False) -> None:
-        still = []
-        for p in self._pending:
-            if p.event is not None and not wait and not p.event.query():
-                still.append(p)
-                continue
-            if p.event is not None:
-                p.event.synchronize()
-            for kv, trailer, key in p.host_seals:
+        def commit(keep=keep) -> None:  # `keep`: tensors the copies read until they land
+            for kv, trailer, key in host_seals:
                 integrity.seal(kv, trailer, key)
-            for h in p.hashes:
-                self.store.commit(h)
-        self._pending = still
+            self.store.commit(reservation)
 
-    def touch(self, touch: TouchRequest) -> None:
-        """A finished request's stored objects, in chunk order (see `ChunkStore.touch`)."""
-        keys = [(h, g) for h, groups in zip(touch.hashes, touch.groups) for g in groups]
-        self.store.touch(keys)
+        self._submitted(self.transfer.fence(), commit)
+        end = (write.first + len(write.groups)) * self.chunk_size
+        self.record("save", write.req_id, write.first * self.chunk_size, end, planned, t0)
+
+    def finish(self, job: FinishJob) -> None:
+        """The request ended: once its saves are committed, the store may drop what it
+        kept for writes of it still to come."""
+        self._submitted(None, lambda: self.store.on_request_finished(job.req_id))

@@ -60,8 +60,3 @@ class StagingPool:
                 self._busy[i] = (s, e, event)
                 return
         raise ValueError("region does not belong to this pool or was released already")
-
-    def in_use(self) -> int:
-        """Bytes handed out and not yet back (for tests and stats)."""
-        self._reap()
-        return sum(e - s for s, e, _ in self._busy)

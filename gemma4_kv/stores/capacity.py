@@ -1,0 +1,496 @@
+"""What the embedded store keeps when its CPU tier is full: whole servable hits, ranked
+by how often requests ask for them (W-TinyLFU).
+
+An object (one group's KV of one chunk) is worth its memory only as part of a hit a
+lookup can serve: chunk c of a full-attention group serves only with chunks 0..c-1 of
+that group and, for every sliding group, the window before the hit. So the unit kept or
+evicted is a hit *end* (a token count on a chain of chunk hashes) holding every object
+its hit needs; an object stays while some end holds it and is freed when none does.
+
+Ends have a class, given by the scheduler:
+- HIGH: where a stored prompt ends (the hit of that prompt asked again) and where its
+  generated tokens end;
+- LOW: the ends every `retention_interval` tokens, kept only so that a hit can stop
+  there, and ends a longer stored end passes through (an earlier turn of a chat, whose
+  next turn extends it). Every LOW end goes before any HIGH end; a LOW end that serves
+  a hit is HIGH again, for good if a longer end passes through it (a branching point).
+
+HIGH ends are ranked by W-TinyLFU (Einziger, Friedman, Manes: "TinyLFU: A Highly
+Efficient Cache Admission Policy", 2017). A new end enters a recency window
+(`window_share` of the tier); the oldest ends pushed out of it stay only by displacing
+ends of the main part (a segmented LRU) that were asked for less often. An end too large
+for the window is admitted to main only the same way. Frequencies count the requests
+that saved an end and the hits it served, halved every `sample` counts so that old
+popularity fades. A looping or scanning set larger than the tier thus keeps a stable
+subset that hits every round, where LRU keeps nothing.
+
+Bookkeeping only (no LMCache here): the store asks it what to evict and tells it what
+it stored. Every call costs O(objects of the ends it touches) plus, when memory is
+short, a walk over the ends it may evict. Thread-safe: lookups (hits) and saves run on
+different threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+ObjKey = tuple[bytes, int]
+"""(chunk hash, group id) of one stored object."""
+EndKey = tuple[bytes, int]
+"""(hash of the chunk holding the end's last token, end token count)."""
+
+LOW, HIGH = 0, 1
+SEGMENTS = ("low", "window", "probation", "protected")
+
+
+@dataclass(frozen=True)
+class EndSpec:
+    """A hit end: its key, class and the objects its hit needs."""
+
+    key: EndKey
+    cls: int
+    cells: tuple[ObjKey, ...]
+
+
+@dataclass(eq=False)
+class _End:
+    key: EndKey
+    cls: int
+    cells: frozenset[ObjKey]
+    owners: set[str] = field(default_factory=set)
+    """Requests still saving it, while it is pending (not every object stored yet)."""
+    live: bool = False
+    size: int = 0
+    """Bytes it held alone when it went live (its share of the window)."""
+    pins: int = 0
+    shared: bool = False
+    """It served a hit while a longer stored end passed through it: a branching point
+    (a document with several questions), never superseded."""
+
+
+class Capacity:
+    def __init__(self, limit: int, *, window_share: float = 0.05,
+                 protected_share: float = 0.8, min_sample: int = 1024):
+        self.limit = limit
+        self.window_share, self.protected_share = window_share, protected_share
+        self.min_sample = min_sample
+        self._lock = threading.RLock()
+        self._ends: dict[EndKey, _End] = {}
+        self._users: dict[ObjKey, set[EndKey]] = {}  # ends (pending or live) needing it
+        self._objects: dict[ObjKey, int] = {}  # in the tier (written or being written)
+        self._stored: set[ObjKey] = set()  # written
+        self._garbage: set[ObjKey] = set()  # in the tier, needed by no end: to delete
+        self._requests: dict[str, set[EndKey]] = {}  # ends each saving request planned
+        self._segments: dict[str, OrderedDict] = {s: OrderedDict() for s in SEGMENTS}
+        self._where: dict[EndKey, str] = {}
+        self._at: dict[bytes, set[EndKey]] = {}  # ends by the hash of their last chunk
+        self._freq: dict[EndKey, int] = {}
+        self._counted = 0
+        self._asked: OrderedDict = OrderedDict()  # (request, end) already counted by a hit
+        self.used = 0
+
+    # -- what is stored ---------------------------------------------------------------
+    def live_ends(self) -> dict[EndKey, str]:
+        """Live ends and the segment each is in (tests, stats)."""
+        with self._lock:
+            return dict(self._where)
+
+    def frequency(self, key: EndKey) -> int:
+        return self._freq.get(key, 0)
+
+    # -- saves ------------------------------------------------------------------------
+    def plan(self, req_id: str, ends: Sequence[EndSpec], sizes: dict[ObjKey, int]) -> None:
+        """A request saves towards `ends`. At an end's first sight for this request, a
+        HIGH end is asked for once more; an end not yet known is admitted if it fits
+        now or could by evicting what it may evict (`_victims`), HIGH ends first.
+        Admitted ends hold their objects from then on; a rejected one stores nothing."""
+        with self._lock:
+            seen = self._requests.setdefault(req_id, set())
+            planned = 0  # bytes of this call's ends admitted so far
+            for spec in sorted(ends, key=lambda e: -e.cls):
+                if spec.key in seen:
+                    continue
+                seen.add(spec.key)
+                if spec.cls == HIGH:
+                    self._count(spec.key)
+                end = self._ends.get(spec.key)
+                if end is not None:
+                    if spec.cls == HIGH and end.cls == LOW:
+                        self._promote(end)
+                    if not end.live:
+                        end.owners.add(req_id)
+                    continue
+                new = sum(sizes.get(c, 0) for c in set(spec.cells)
+                          if c not in self._objects and not self._users.get(c))
+                short = planned + new - (self.limit - self.used)
+                if short > 0 and self._victims(short, spec.cls, self.frequency(spec.key),
+                                               new) is None:
+                    continue
+                planned += new
+                self._add(_End(spec.key, spec.cls, frozenset(spec.cells), {req_id}))
+
+    def wanted(self, keys: Iterable[ObjKey]) -> list[ObjKey]:
+        """Of these objects a save could store, those an admitted end needs and that are
+        not in the tier yet."""
+        with self._lock:
+            return [k for k in keys if self._users.get(k) and k not in self._objects]
+
+    def grant(self, req_id: str, sizes: dict[ObjKey, int]) -> tuple[list[ObjKey], list[ObjKey]]:
+        """Which of these objects (wanted by this request's save, see `wanted`) get
+        memory now, and the objects to delete first to make room: (granted, garbage).
+        Objects a HIGH end needs come first, with room made as this request's most
+        valuable pending end may; then those only LOW ends need, with room from LOW
+        ends. What cannot fit is not granted, and this request's pending ends that
+        needed it are given up (they could not complete)."""
+        with self._lock:
+            mine = [self._ends[k] for k in self._requests.get(req_id, ())
+                    if k in self._ends and not self._ends[k].live]
+            high = [k for k in sizes if any(self._ends[e].cls == HIGH
+                                            for e in self._users.get(k, ()))]
+            low = [k for k in sizes if k not in set(high)]
+            granted = []
+            for cls, keys in ((HIGH, high), (LOW, low)):
+                if not keys:
+                    continue
+                need = sum(sizes[k] for k in keys)
+                short = need - (self.limit - self.used - sum(sizes[k] for k in granted))
+                ends = [e for e in mine if e.cls == cls] if cls == LOW else mine
+                best = max(ends, key=lambda e: (e.cls, self.frequency(e.key)), default=None)
+                victims = [] if short <= 0 else None if best is None else self._victims(
+                    short, best.cls, self.frequency(best.key), need)
+                if victims is None:
+                    for end in (mine if cls == HIGH else ends):
+                        if end.key in self._ends:
+                            self._evict(end)
+                    if cls == HIGH:
+                        return [], self._take_garbage()
+                    continue
+                for end in victims:
+                    self._evict(end)
+                granted += keys
+            self._balance_window()
+            return granted, self._take_garbage()
+
+    def reserved(self, sizes: dict[ObjKey, int]) -> None:
+        """These objects now have memory in the tier (being written)."""
+        with self._lock:
+            for k, n in sizes.items():
+                self.used += n - self._objects.get(k, 0)
+                self._objects[k] = n
+                if not self._users.get(k):
+                    self._garbage.add(k)
+
+    def stored(self, keys: Iterable[ObjKey]) -> None:
+        """These objects are written: ends that now have every object go live."""
+        with self._lock:
+            waiting = set()
+            for k in keys:
+                if k in self._objects:
+                    self._stored.add(k)
+                    waiting.update(self._users.get(k, ()))
+            for key in waiting:
+                end = self._ends[key]
+                if not end.live and end.cells <= self._stored:
+                    self._go_live(end)
+
+    def kept(self, sizes: dict[ObjKey, int]) -> None:
+        """Objects handed out for deletion that the tier kept (read-locked): still there,
+        deleted later unless an end needs them again."""
+        with self._lock:
+            for k, n in sizes.items():
+                self.used += n - self._objects.get(k, 0)
+                self._objects[k] = n
+                self._stored.add(k)
+                if not self._users.get(k):
+                    self._garbage.add(k)
+
+    def dropped(self, keys: Iterable[ObjKey]) -> list[ObjKey]:
+        """These objects are gone from the tier (aborted, lost, bad): every end needing
+        one cannot serve and is evicted. Returns what else that leaves unneeded."""
+        with self._lock:
+            ends = set()
+            for k in keys:
+                self.used -= self._objects.pop(k, 0)
+                self._stored.discard(k)
+                self._garbage.discard(k)
+                ends.update(self._users.get(k, ()))
+            for key in ends:
+                self._evict(self._ends[key])
+            return self._take_garbage()
+
+    def finished(self, req_id: str) -> list[ObjKey]:
+        """A request stopped saving: ends only it was completing are given up. Returns
+        the objects no end needs any more (to delete)."""
+        with self._lock:
+            for key in self._requests.pop(req_id, ()):
+                end = self._ends.get(key)
+                if end is not None and not end.live:
+                    end.owners.discard(req_id)
+                    if not end.owners:
+                        self._evict(end)
+            return self._take_garbage()
+
+    # -- hits -------------------------------------------------------------------------
+    def served(self, spec: EndSpec, sizes: dict[ObjKey, int], create: bool = True,
+               req_id: str = "") -> None:
+        """A lookup pinned the hit ending at `spec`: it is asked for once more (once per
+        request: vLLM looks a waiting request up again every step) and is more recent;
+        a LOW end becomes HIGH. With `create` (every object of the hit, from chunk 0, is
+        in the tier), a hit no live end names (brought up from another tier, or left by
+        other ends) becomes a live HIGH end."""
+        with self._lock:
+            if (req_id, spec.key) not in self._asked:
+                self._count(spec.key)
+                if req_id:
+                    self._asked[(req_id, spec.key)] = None
+                    while len(self._asked) > 8192:
+                        self._asked.popitem(last=False)
+            end = self._ends.get(spec.key)
+            if end is None or not end.live:
+                if not create:
+                    return
+                if end is None:
+                    end = _End(spec.key, HIGH, frozenset(spec.cells))
+                    self._add(end)
+                for c in end.cells:
+                    if c not in self._objects:
+                        self.used += sizes.get(c, 0)
+                        self._objects[c] = sizes.get(c, 0)
+                    self._stored.add(c)
+                self._go_live(end)
+            end.pins += 1
+            if end.cls == LOW:
+                end.shared = self._has_longer(end)
+                self._promote(end)
+            else:
+                self._touch(end)
+
+    def unpinned(self, key: EndKey) -> None:
+        with self._lock:
+            end = self._ends.get(key)
+            if end is not None and end.pins:
+                end.pins -= 1
+
+    def garbage(self) -> list[ObjKey]:
+        """Objects no end needs (to delete)."""
+        with self._lock:
+            return self._take_garbage()
+
+    def room(self, nbytes: int, asked: EndKey) -> tuple[bool, list[ObjKey]]:
+        """Make room for `nbytes` a lookup of `asked` may bring up from another tier, as
+        a save of it could (`_victims`): (whether they fit, objects to delete now)."""
+        with self._lock:
+            short = nbytes - (self.limit - self.used)
+            if short <= 0:
+                return True, self._take_garbage()
+            victims = self._victims(short, HIGH, self.frequency(asked) + 1, nbytes)
+            for end in victims or ():
+                self._evict(end)
+            return victims is not None, self._take_garbage()
+
+    def hold(self, owner: str, keys: Iterable[ObjKey]) -> None:
+        """Keep these objects (in the tier, stored) until `finished(owner)`, whatever
+        else is evicted: what a lookup brought up, until it has pinned its hit."""
+        with self._lock:
+            key = (owner.encode(), -1)
+            end = self._ends.get(key)
+            cells = frozenset(keys) | (end.cells if end is not None else frozenset())
+            if end is not None:
+                self._evict(end)
+            self._add(_End(key, HIGH, cells, {owner}))
+            self._requests.setdefault(owner, set()).add(key)
+
+    def stored_among(self, keys: Iterable[ObjKey]) -> list[ObjKey]:
+        """Those of `keys` the account holds as written."""
+        with self._lock:
+            return [k for k in keys if k in self._stored]
+
+    def tracked(self) -> list[ObjKey]:
+        """Every object in the tier by this account."""
+        with self._lock:
+            return list(self._objects)
+
+    def __contains__(self, key: ObjKey) -> bool:
+        """Whether the object is in the tier (or being written) by this account."""
+        return key in self._objects
+
+    def clear(self) -> None:
+        """Forget everything (the tier was emptied)."""
+        with self._lock:
+            self.__init__(self.limit, window_share=self.window_share,
+                          protected_share=self.protected_share, min_sample=self.min_sample)
+
+    # -- policy -----------------------------------------------------------------------
+    def _count(self, key: EndKey) -> None:
+        self._freq[key] = self._freq.get(key, 0) + 1
+        self._counted += 1
+        if self._counted >= max(self.min_sample, 10 * len(self._where)):
+            self._freq = {k: f // 2 for k, f in self._freq.items() if f > 1}
+            self._counted //= 2
+
+    def _victims(self, short: int, cls: int, freq: int, size: int) -> list[_End] | None:
+        """Ends to evict, in order, so that `short` more bytes fit for a new end of
+        class `cls`, asked for `freq` times, of `size` bytes; None if not possible.
+
+        LOW ends go first (least recent first); a LOW end may take nothing else. A HIGH
+        end that fits the window enters it: the window's oldest ends leave, each either
+        displacing the least recent main end asked for less often than itself, or
+        evicted if there is none. Beyond that (or for an end too large for the window),
+        main ends asked for less often than the new end go, least recent first,
+        probation before protected. Pinned ends are never taken."""
+        taken: list[_End] = []
+        out = set()
+        freed, released = 0, {}
+
+        def take(end: _End) -> None:
+            nonlocal freed
+            taken.append(end)
+            out.add(end.key)
+            freed += self._alone(end, released)
+
+        def main_victim(below: int) -> _End | None:
+            for segment in ("probation", "protected"):
+                for key in self._segments[segment]:
+                    end = self._ends[key]
+                    if key not in out and not end.pins and self.frequency(key) < below:
+                        return end
+            return None
+
+        for key in self._segments["low"]:
+            if freed >= short:
+                return taken
+            if not self._ends[key].pins:
+                take(self._ends[key])
+        if freed >= short:
+            return taken
+        if cls == LOW:
+            return None
+        cap = self.window_share * self.limit
+        if size <= cap:
+            window = self._segments["window"]
+            held = size + sum(self._ends[k].size for k in window)
+            for key in list(window):  # oldest first
+                if freed >= short or held <= cap:
+                    break
+                w = self._ends[key]
+                held -= w.size
+                if not w.pins:
+                    take(main_victim(self.frequency(key)) or w)
+        while freed < short:
+            end = main_victim(freq)
+            if end is None:
+                return None
+            take(end)
+        return taken
+
+    def _alone(self, end: _End, released: dict) -> int:
+        """Bytes evicting `end` frees, after the ends already counted in `released`."""
+        n = 0
+        for c in end.cells:
+            released[c] = released.get(c, 0) + 1
+            if len(self._users.get(c, ())) <= released[c]:
+                n += self._objects.get(c, 0)
+        return n
+
+    def _add(self, end: _End) -> None:
+        self._ends[end.key] = end
+        self._at.setdefault(end.key[0], set()).add(end.key)
+        for c in end.cells:
+            self._users.setdefault(c, set()).add(end.key)
+            self._garbage.discard(c)
+
+    def _go_live(self, end: _End) -> None:
+        end.live, end.owners = True, set()
+        end.size = self._alone(end, {})
+        if end.cls == LOW:
+            self._place(end, "low")
+            return
+        self._enter(end)
+        for h in {h for h, _ in end.cells} - {end.key[0]}:
+            for key in self._at.get(h, ()):
+                older = self._ends[key]
+                if older.live and older.cls == HIGH and not older.shared:
+                    older.cls = LOW  # superseded: a longer stored end passes through it
+                    self._place(older, "low")
+
+    def _has_longer(self, end: _End) -> bool:
+        """Whether a live end needs one of this end's last-chunk objects and goes further."""
+        h, tokens = end.key
+        return any(other.live and other.key[1] > tokens
+                   for c in end.cells if c[0] == h
+                   for other in (self._ends[k] for k in self._users.get(c, ())))
+
+    def _enter(self, end: _End) -> None:
+        """A HIGH end joins: the window if it fits there, else main's probation."""
+        self._place(end, "window" if end.size <= self.window_share * self.limit
+                    else "probation")
+        self._balance_window()
+
+    def _promote(self, end: _End) -> None:
+        end.cls = HIGH
+        if end.live:
+            self._enter(end)
+
+    def _touch(self, end: _End) -> None:
+        where = self._where.get(end.key)
+        if where == "probation":
+            self._place(end, "protected")
+            self._balance_protected()
+        elif where is not None:
+            self._segments[where].move_to_end(end.key)
+
+    def _balance_window(self) -> None:
+        """Move the window's oldest ends on to main's probation while it holds more than
+        its share (eviction made room for them already, see `_victims`)."""
+        self._overflow("window", self.window_share * self.limit)
+
+    def _balance_protected(self) -> None:
+        self._overflow("protected", self.protected_share * (1 - self.window_share)
+                       * self.limit)
+
+    def _overflow(self, segment: str, cap: float) -> None:
+        ends = self._segments[segment]
+        total = sum(self._ends[k].size for k in ends)
+        while total > cap and len(ends) > 1:
+            end = self._ends[next(iter(ends))]
+            total -= end.size
+            self._place(end, "probation")
+
+    def _place(self, end: _End, segment: str) -> None:
+        old = self._where.get(end.key)
+        if old is not None:
+            del self._segments[old][end.key]
+        self._segments[segment][end.key] = None
+        self._where[end.key] = segment
+
+    def _evict(self, end: _End) -> None:
+        where = self._where.pop(end.key, None)
+        if where is not None:
+            del self._segments[where][end.key]
+        self._ends.pop(end.key, None)
+        at = self._at.get(end.key[0])
+        if at is not None:
+            at.discard(end.key)
+            if not at:
+                del self._at[end.key[0]]
+        for c in end.cells:
+            users = self._users.get(c)
+            if users is not None:
+                users.discard(end.key)
+                if not users:
+                    del self._users[c]
+                    if c in self._objects:
+                        self._garbage.add(c)
+
+    def _take_garbage(self) -> list[ObjKey]:
+        """The objects to delete; they leave the accounting now (a deletion the tier
+        refuses comes back through `kept`)."""
+        out = sorted(self._garbage)
+        for k in out:
+            self.used -= self._objects.pop(k, 0)
+            self._stored.discard(k)
+        self._garbage.clear()
+        return out

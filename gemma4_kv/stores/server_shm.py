@@ -1,0 +1,109 @@
+"""The server's L1 in this process: its shared-memory segment (/dev/shm) mapped here, so
+the client copies objects in and out itself, page-locked and known to CUDA when the
+kernels read and write it through UVA.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import torch
+
+from ..layout.groups import KVGroup
+from . import integrity
+
+SEAL_BYTES = 8 * integrity.SEAL_SHAPE[0]
+
+
+class UnsupportedServer(RuntimeError):
+    """The server cannot serve this client (no shared-memory L1, another host, another
+    LMCache wire format, ...)."""
+
+
+def cuda_host_register(pool: torch.Tensor, what: str = "the server's L1") -> None:
+    """Page-lock a mapping of the server's L1 and make it known to CUDA: our Triton
+    loads and direct saves read and write host memory through UVA (pinned memory), and
+    torch then sees its views as pinned. Seen on an H200 (torch 2.11, 2026-12-01): a
+    registered /dev/shm mapping reported pinned, written by the gather kernel and read
+    by the layer-wise loads bit for bit (tests/test_mp_server_cuda.py). The connector
+    on a GPU with a server has NOT run yet."""
+    rc = torch.cuda.cudart().cudaHostRegister(pool.data_ptr(), pool.numel(), 0)
+    if int(rc) != 0:
+        raise UnsupportedServer(f"cudaHostRegister of {what} ({pool.numel()} bytes) failed "
+                                f"({rc}): raise the locked-memory limit (ulimit -l)")
+
+
+class SharedL1:
+    """The mapped segment of the server process now running (`map` again when another
+    one runs); views of objects in it."""
+
+    def __init__(self, url: str, *, prefault: bool = True, cuda_register: bool = False):
+        self.url = url
+        self._prefault, self._cuda_register = prefault, cuda_register
+        self._maps: list[tuple[mmap.mmap, torch.Tensor]] = []  # old ones kept: views may live
+        self.pool: torch.Tensor | None = None
+        self._ino: int | None = None
+        self.size = 0
+        self.epoch = 0
+        """Server processes seen (a new L1 segment): a lock, read or reservation of an
+        earlier one is gone with it, and is never handed back to its successor (which
+        would not answer calls naming instances it does not know)."""
+
+    def map(self, name: str, size: int) -> bool:
+        """Map segment `name`; whether it is another one than before (a new server)."""
+        path = f"/dev/shm/{name.lstrip('/')}"
+        try:
+            ino = os.stat(path).st_ino
+        except FileNotFoundError:
+            raise UnsupportedServer(f"{self.url}'s L1 {path} is not on this host") from None
+        if ino == self._ino:
+            return False
+        fd = os.open(path, os.O_RDWR)
+        # Without MAP_POPULATE every first touch of a 4 KiB page faults in this process:
+        # it made copies into the L1 8x slower (measured, CPU); populating costs about
+        # 70 ms per 512 MiB at start-up instead.
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if self._prefault else 0)
+        try:
+            mm = mmap.mmap(fd, size, flags=flags)
+        finally:
+            os.close(fd)
+        pool = torch.frombuffer(mm, dtype=torch.uint8)
+        if self._cuda_register:
+            cuda_host_register(pool, path)
+        self._maps.append((mm, pool))
+        another = self._ino is not None
+        if another:  # another server process: its reads went too
+            self.epoch += 1
+        self.pool, self._ino, self.size = pool, ino, size
+        return another
+
+    def views(self, group: KVGroup, chunk_size: int, slots: list[dict], slot_count: int
+              ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """(KV, trailer) views of reserved or retrieved slots, or None if the server's
+        objects are not what this client registered."""
+        shape = group.chunk_shape(chunk_size)
+        kv_bytes = 2 * len(group.layers) * chunk_size * group.num_kv_heads \
+            * group.head_size * group.dtype.itemsize
+        want = [2, len(group.layers), slot_count, group.num_kv_heads * group.head_size]
+        out = []
+        for s in slots:
+            if list(s["shape"]) != want \
+                    or s["dtype"] != str(group.dtype).removeprefix("torch.") \
+                    or s["offset"] % 8 or s["length"] < kv_bytes + SEAL_BYTES:
+                return None
+            raw = self.pool[s["offset"]:s["offset"] + kv_bytes + SEAL_BYTES]
+            out.append((raw[:kv_bytes].view(group.dtype).view(shape),
+                        raw[kv_bytes:].view(integrity.SEAL_DTYPE)))
+        return out
+
+    def close(self) -> None:
+        self.pool = None
+        for mm, pool in self._maps:
+            if self._cuda_register:
+                torch.cuda.cudart().cudaHostUnregister(pool.data_ptr())
+            try:
+                mm.close()
+            except BufferError:  # a caller still holds views; the mapping goes with them
+                pass
+        self._maps.clear()

@@ -1,0 +1,288 @@
+"""The connection to a running `lmcache server` (LMCache 0.5.6, engine-driven mode):
+calls with a timeout, the registrations of our groups, the key encoding, and the
+heartbeat that keeps the registrations alive and finds the server again after an outage.
+
+0.5.6's engine-driven protocol (`lmcache/v1/multiprocess/modules/engine_driven_transfer.py`)
+takes one object layout per registration and forms keys itself from token ids, so:
+
+- each KV cache group registers as an instance of its own, under the model name
+  `<namespace>.g<group>`; its objects are the group's KV_2LTD bytes followed by the
+  integrity trailer (`integrity.py`): the registration asks for a few token slots more
+  than a chunk (`object_slots`), and the client reads the bytes as (KV, trailer);
+- our 32-byte chunk hashes travel as the "tokens" of their chunk (8 big-endian uint32
+  words, zero padded to the server's chunk size; `--chunk-size 8` sends no padding).
+  The server's rolling blake3 over them depends on our hash chain only, so a key
+  names one exact prefix; every call sends the hashes from chunk 0.
+
+A call with no answer within `timeout_s` raises `ServerUnavailable` and marks the server
+down (0.5.6 sends no reply when a handler raises, so a dead server and a refused call
+look alike); calls then fail at once until the heartbeat gets answers again and
+registers anew.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ..layout.groups import KVGroup, KVLayout
+from . import integrity, lmcache
+from .server_shm import SharedL1, UnsupportedServer
+
+logger = logging.getLogger(__name__)
+
+HASH_BYTES = 32
+"""Length of gemma4-kv's chunk hashes (sha256): 8 uint32 "tokens"."""
+SEAL_BYTES = 8 * integrity.SEAL_SHAPE[0]
+
+
+class ServerUnavailable(ConnectionError):
+    """The server did not answer in time: dead, restarting, or it refused the call."""
+
+
+def server_argv(lmcache: str, *, port: int, shm_name: str, l1_gb: float, http_port: int,
+                host: str = "localhost", chunk_size: int = 8, write_ttl_s: int = 30,
+                workers: int = 2, l2_adapters: Sequence[str] = ()) -> list[str]:
+    """Command line of a server this client can use (the README shows the same).
+
+    The write TTL must stay below the reap timeout (120 s): 0.5.6 commits a dead client's
+    unfinished reservations when it reaps the client (`_release_entry` -> `finish_write`),
+    unless they expired first. `--l2-prefetch-policy retain` keeps objects brought up from
+    L2 in L1 after their first read.
+    """
+    argv = [lmcache, "server", "--supported-transfer-mode", "engine_driven",
+            "--shm-name", shm_name, "--no-l1-use-lazy", "--l1-size-gb", str(l1_gb),
+            "--chunk-size", str(chunk_size), "--eviction-policy", "LRU",
+            "--host", host, "--port", str(port), "--http-port", str(http_port),
+            "--l1-write-ttl-seconds", str(write_ttl_s), "--max-workers", str(workers),
+            "--l2-prefetch-policy", "retain", "--disable-observability"]
+    for spec in l2_adapters:
+        argv += ["--l2-adapter", spec]
+    return argv
+
+
+def object_slots(group: KVGroup, chunk_size: int) -> int:
+    """Token slots registered per object: the chunk, plus enough for the trailer."""
+    row = 2 * len(group.layers) * group.num_kv_heads * group.head_size * group.dtype.itemsize
+    return chunk_size + -(-SEAL_BYTES // row)
+
+
+def runs(indices: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted indices as half-open runs [a, b)."""
+    out: list[list[int]] = []
+    for i in sorted(set(indices)):
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return [(a, b) for a, b in out]
+
+
+@dataclass
+class Space:
+    """One namespace's registrations: a model name and an instance id per group."""
+
+    namespace: str
+    names: dict[int, str]
+    ids: dict[int, int]
+    open_writes: int = 0
+
+
+class ServerConnection:
+    """One client's registrations on a server, and the heartbeat that keeps them."""
+
+    def __init__(self, url: str, layout: KVLayout, namespace: str, chunk_size: int, *,
+                 timeout_s: float = 1.0, ping_interval_s: float = 20.0,
+                 prefault: bool = True, cuda_register: bool = False):
+        self.url, self.layout, self.chunk_size = url, layout, chunk_size
+        self.timeout_s = timeout_s
+        self._client = lmcache.server_client(url)
+        self._healthy = True
+        self._state = threading.RLock()
+        self._groups = {g.group_id: g for g in layout.groups}
+        self._slots = {gid: object_slots(g, chunk_size) for gid, g in self._groups.items()}
+        self.l1 = SharedL1(url, prefault=prefault, cuda_register=cuda_register)
+        self._space = self._new_space(namespace)
+        try:
+            if not self._call(self._client.ping(None), "ping"):
+                raise ServerUnavailable(f"{url}: ping refused")
+            self.server_chunk = int(self._call(self._client.get_chunk_size(),
+                                               "get_chunk_size"))
+            if self.server_chunk * 4 < HASH_BYTES:
+                raise UnsupportedServer(f"server chunk size {self.server_chunk} holds no "
+                                        f"{HASH_BYTES}-byte hash: start it with --chunk-size 8")
+            self._register(self._space)
+            self._probe_wire()
+        except Exception:
+            self._client.close()
+            raise
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, args=(ping_interval_s,),
+                                           name="gemma4kv-mp-ping", daemon=True)
+        self._heartbeat.start()
+
+    @property
+    def epoch(self) -> int:
+        """Server processes seen (see `SharedL1.epoch`)."""
+        return self.l1.epoch
+
+    @property
+    def pool_size(self) -> int:
+        return self.l1.size
+
+    # -- connection -------------------------------------------------------------------
+    def _call(self, future, what: str, *, probing: bool = False):
+        """The answer of one RPC within the timeout, or ServerUnavailable. Gives up at
+        once when another thread has found the server down (unless `probing`)."""
+        deadline = time.monotonic() + self.timeout_s
+        while not future.wait(0.02):
+            if not self._healthy and not probing:
+                raise ServerUnavailable(f"{self.url} is not answering")
+            if time.monotonic() > deadline:
+                if self._healthy:
+                    logger.warning("gemma4-kv: %s gave no answer to %s within %g s",
+                                   self.url, what, self.timeout_s)
+                self._healthy = False
+                raise ServerUnavailable(f"{self.url}: no answer to {what} within "
+                                        f"{self.timeout_s} s")
+        return future.result(0)
+
+    def _check(self) -> None:
+        if not self._healthy:
+            raise ServerUnavailable(f"{self.url} is not answering (waiting for a ping)")
+
+    def _new_space(self, namespace: str) -> Space:
+        names = {gid: f"{namespace}.g{gid}" for gid in self._groups}
+        if any("@" in n or "/" in n for n in names.values()):
+            raise ValueError("LMCache model names must not contain '@' or '/'")
+        base = int.from_bytes(os.urandom(5), "big") << 8  # ids are global to the server
+        return Space(namespace, names, {gid: base + gid for gid in self._groups})
+
+    def _register(self, space: Space, probing: bool = False) -> None:
+        """Register every group of `space` (idempotent on the server), map its L1."""
+        futures = []
+        for gid, g in self._groups.items():
+            futures.append(self._client.register_kv_cache_engine_driven_context(
+                lmcache.server_registration(
+                    instance_id=space.ids[gid], model_name=space.names[gid],
+                    world_size=1, block_size=g.block_size, num_layers=len(g.layers),
+                    hidden_dim_size=g.num_kv_heads * g.head_size,
+                    dtype_str=str(g.dtype).removeprefix("torch."), use_mla=False,
+                    num_physical_slots=self._slots[gid])))
+        pools = {(r.shm_name, r.pool_size) for r in
+                 (self._call(f, "register", probing=probing) for f in futures)}
+        (name, size), = pools
+        if not name or size <= 0:
+            raise UnsupportedServer(
+                f"{self.url} has no shared-memory L1: start it with --supported-transfer-mode "
+                "engine_driven --shm-name NAME --no-l1-use-lazy and a /dev/shm larger than L1")
+        self._mapped(name, size)
+        for iid in space.ids.values():  # ping-proven: reaped after 120 s of silence, not 3600
+            self._call(self._client.ping(iid), "ping", probing=probing)
+
+    def _probe_wire(self, probing: bool = False) -> None:
+        """A keyed call that does nothing (an empty range): a server of another wire
+        format (0.5.7 sends `token_bytes`) cannot decode the key and never answers,
+        while registration and pings still work."""
+        space = self._space
+        g = next(iter(space.names))
+        try:
+            self._call(self._client.free_lookup_locks(
+                self._key(space, g, self._tokens([bytes(HASH_BYTES)]), 0, 0, self._rid(),
+                          None), 1), "free_lookup_locks", probing=probing)
+        except ServerUnavailable:
+            for iid in space.ids.values():  # nothing was reserved: safe to unregister
+                self._client.unregister_kv_cache_engine_driven_context(iid)
+            raise UnsupportedServer(
+                f"{self.url} does not decode LMCache 0.5.6 keys (IPCCacheServerKey.token_ids):"
+                " client and server LMCache versions must match") from None
+
+    def _beat(self, interval: float) -> None:
+        """Keep the registrations alive; after an outage register again (a restarted
+        server knows none of them and has a new L1 segment)."""
+        while not self._stop.wait(interval if self._healthy else min(interval, 1.0)):
+            was = self._healthy
+            space = self._space
+            # While it is down, one ping a second: calls to a dead server queue up in
+            # the client (ZMQ) and are all delivered when one comes back.
+            ids = list(space.ids.values()) if was else list(space.ids.values())[:1]
+            try:
+                for iid in ids:
+                    self._call(self._client.ping(iid), "ping", probing=True)
+                if not was:
+                    self._register(space, probing=True)
+                    self._probe_wire(probing=True)  # it may have come back as another version
+                    logger.warning("gemma4-kv: %s answers again", self.url)
+                self._healthy = True
+            except Exception as e:  # noqa: BLE001 - any failure means "not now"
+                if was:
+                    logger.warning("gemma4-kv: %s not answering: %s", self.url, e)
+                self._healthy = False
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    def rename(self, namespace: str) -> None:
+        """Use new registrations under `namespace` from now on (`ChunkStore.reset`); the
+        old ones are unregistered unless reservations are open in them (unregistering
+        would commit those unwritten: they expire, the reaper takes the rest)."""
+        old, new = self._space, self._new_space(namespace)
+        self._space = new
+        try:
+            self._check()
+            self._register(new)
+        except Exception as e:
+            self._healthy = False  # the heartbeat registers `new` once the server answers
+            raise ServerUnavailable(f"{self.url}: cannot register {namespace}: {e}") from e
+        if not old.open_writes:
+            for f in [self._client.unregister_kv_cache_engine_driven_context(i)
+                      for i in old.ids.values()]:
+                self._call(f, "unregister")
+
+    # -- keys -------------------------------------------------------------------------
+    def _tokens(self, hashes: Sequence[bytes]) -> tuple[int, ...]:
+        pad = (0,) * (self.server_chunk - HASH_BYTES // 4)
+        out: list[int] = []
+        for h in hashes:
+            if len(h) != HASH_BYTES:
+                raise ValueError(f"chunk hashes must be {HASH_BYTES} bytes, got {len(h)}")
+            out += struct.unpack(">8I", h)
+            out += pad
+        return tuple(out)
+
+    def _key(self, space: Space, gid: int, tokens: tuple[int, ...], a: int, b: int,
+             request_id: str, worker: int | None = 0):
+        s = self.server_chunk
+        return lmcache.server_key(model_name=space.names[gid], world_size=1, worker_id=worker,
+                                 token_ids=tokens, start=a * s, end=b * s,
+                                 request_id=request_id, num_kv_readers=1)
+
+    @staticmethod
+    def _rid() -> str:
+        return f"g4kv-{uuid.uuid4().hex}"
+
+    def _mapped(self, name: str, size: int) -> None:
+        """The server's L1 segment is `name` (a restarted server has a new one)."""
+        self.l1.map(name, size)
+
+    def _disconnect(self) -> None:
+        """Stop pinging and unregister, unless reservations are still open: unregistering
+        would commit them unwritten (0.5.6 `_release_entry`); they expire instead."""
+        self._stop.set()
+        self._heartbeat.join(timeout=self.timeout_s + 1)
+        space = self._space
+        if self._healthy and not space.open_writes:
+            try:
+                for f in [self._client.unregister_kv_cache_engine_driven_context(i)
+                          for i in space.ids.values()]:
+                    self._call(f, "unregister")
+            except ServerUnavailable:
+                pass
+        self._client.close()
