@@ -83,3 +83,23 @@ def test_prometheus_counters_follow_the_stats():
     assert value("vllm:gemma4_kv_rejected_objects_total", {"engine": "0"}) == 1.0
     assert {f"vllm:gemma4_kv_{n}_total" for n in COUNTERS} <= {
         s.name for m in registry.collect() for s in m.samples}
+
+
+def test_the_vllm_plugin_registers_the_connector_by_name():
+    """The package's `vllm.general_plugins` entry point, as vLLM loads it in each process
+    (`load_general_plugins`): afterwards `kv_connector: Gemma4KVConnector` resolves with
+    no `kv_connector_module_path`. (Every end-to-end engine of the harness loads the
+    connector this way; the fault tests' engines load theirs by module path.)"""
+    from importlib.metadata import entry_points
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.plugins import load_plugins_by_group
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "gemma4_kv"]
+    assert ep.value == "gemma4_kv.connector.plugin:register"
+    plugins = load_plugins_by_group("vllm.general_plugins")
+    plugins["gemma4_kv"]()
+    plugins["gemma4_kv"]()  # vLLM may load plugins more than once
+    config = KVTransferConfig(kv_connector="Gemma4KVConnector", kv_role="kv_both")
+    assert KVConnectorFactory.get_connector_class(config) is Gemma4KVConnector
