@@ -10,6 +10,8 @@ per KV cache group) on.
 
 from __future__ import annotations
 
+import functools
+import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
@@ -17,7 +19,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 
 from .metrics import Gemma4KVPromMetrics, Gemma4KVStats
 from ..config.settings import ConnectorSettings
-from ..stores.embedded import set_lmcache_log_level
+from ..stores.lmcache import set_log_level
+
+
+def _timed(half: str, step: bool = False):
+    """Count the host time a call of vLLM's spends in this connector (`<half>_seconds`)
+    and, for the call made once per step, the steps."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def timed(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                stats = self._stats
+                stats.add(f"{half}_seconds", time.perf_counter() - t0)
+                if step:
+                    stats.add(f"{half}_steps", 1)
+        return timed
+    return wrap
 
 
 class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -25,16 +45,18 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         settings = ConnectorSettings.from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config)
-        set_lmcache_log_level(settings.lmcache_log_level)
+        set_log_level(settings.lmcache_log_level)
         self._scheduler = self._worker = None
         if role == KVConnectorRole.SCHEDULER:
             from .scheduler import ConnectorScheduler
 
             self._scheduler = ConnectorScheduler(vllm_config, kv_cache_config, settings)
+            self._stats = Gemma4KVStats()
         else:
             from .worker import ConnectorWorker
 
             self._worker = ConnectorWorker(vllm_config, kv_cache_config, settings)
+            self._stats = self._worker.stats
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -47,9 +69,11 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_kv_cache_manager(kv_cache_manager)
         self._scheduler.kv_cache_manager = kv_cache_manager
 
+    @_timed("scheduler")
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @_timed("scheduler")
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
@@ -60,12 +84,15 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
         sources = {CacheHitSource.HOST: host, CacheHitSource.DISK: l2}
         return {k: v for k, v in sources.items() if v}
 
+    @_timed("scheduler", step=True)
     def build_connector_meta(self, scheduler_output):
         return self._scheduler.build_connector_meta(scheduler_output)
 
+    @_timed("scheduler")
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request)
 
+    @_timed("scheduler")
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request)
 
@@ -76,23 +103,29 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches) -> None:
         self._worker.register_kv_caches(kv_caches)
 
+    @_timed("worker")
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self._worker.start_load_kv(self._get_connector_metadata())
 
+    @_timed("worker")
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
         return None  # whole chunks of all layers are stored in wait_for_save
 
+    @_timed("worker", step=True)
     def wait_for_save(self) -> None:
         self._worker.wait_for_save(self._get_connector_metadata())
 
+    @_timed("worker")
     def get_finished(self, finished_req_ids):
         return self._worker.get_finished()
 
     def get_kv_connector_stats(self):
-        return self._worker.get_stats() if self._worker is not None else None
+        """This half's counters since the last call (vLLM sums the scheduler's and every
+        rank's)."""
+        return self._stats.take()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):

@@ -32,6 +32,11 @@ COUNTERS = {
     "hit_tokens": ("Tokens of the hits pinned for vLLM", None),
     "hit_tokens_l2": ("Hit tokens brought up from an L2 tier", None),
     "rejected_objects": ("Objects from an L2 tier that failed verification", None),
+    "evicted_objects": ("Objects the CPU tier deleted to make room or as unservable", None),
+    "scheduler_seconds": ("Host time of the scheduler half in vLLM's calls", "s"),
+    "scheduler_steps": ("Steps the scheduler half planned", None),
+    "worker_seconds": ("Host time of a worker rank in vLLM's calls", "s"),
+    "worker_steps": ("Steps a worker rank ran", None),
 }
 PER_GROUP = ("load_bytes", "save_bytes")
 
@@ -84,6 +89,10 @@ class Gemma4KVStats(KVConnectorStats):
                 out[name] = round(value, 3) if unit == "s" else int(value)
         if d.get("load_seconds"):
             out["load_GB_per_s"] = round(d.get("load_bytes", 0) / d["load_seconds"] / 1e9, 2)
+        for half in ("scheduler", "worker"):
+            if d.get(f"{half}_steps"):
+                out[f"{half}_ms_per_step"] = round(
+                    1e3 * d.get(f"{half}_seconds", 0) / d[f"{half}_steps"], 3)
         return out
 
     def is_empty(self) -> bool:
