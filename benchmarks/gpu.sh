@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything that runs on the H200, in one device call with .gpu-vllm and .whl carried
 # (built by `bash benchmarks/gpu/bundle.sh`):
-#     bash benchmarks/gpu.sh PART [PART ...]
-# Parts, run in the order given, each under its own time limit:
+#     bash benchmarks/gpu.sh PART[=SECONDS] [PART+PART ...]
+# Parts, run in the order given, each under its own time limit (PART=SECONDS sets it;
+# A+B runs parts side by side, for checks that are not timed):
 #   checks   CUDA tests (kernel, movers, integrity, staging, shared memory), the GPU
 #            end-to-end cases (tests/test_e2e_gpu.py) and the default-numerics check
 #            (numerics_gpu.py) side by side
@@ -88,10 +89,20 @@ part_kernels() {
   tail -40 $R/movers.log
 }
 
-for p in "$@"; do
-  name=${p%%=*}; limit=${p#*=}; [ "$limit" = "$p" ] && limit=
-  echo "== $name (at ${SECONDS}s)"
+run_part() {  # NAME[=SECONDS]
+  local name=${1%%=*} limit=${1#*=}; [ "$limit" = "$1" ] && limit=
   if declare -F "part_$name" > /dev/null; then "part_$name" $limit; else echo "no part $name"; fi
+}
+for p in "$@"; do  # A+B: parts side by side (not for timing)
+  echo "== $p (at ${SECONDS}s)"
+  IFS=+ read -ra side <<< "$p"
+  if [ ${#side[@]} -gt 1 ]; then
+    for q in "${side[@]}"; do run_part "$q" > "$R/part_${q%%=*}.out" 2>&1 & done
+    wait
+    for q in "${side[@]}"; do echo "-- ${q%%=*}"; cat "$R/part_${q%%=*}.out"; done
+  else
+    run_part "$p"
+  fi
 done
 echo "== done after ${SECONDS}s"
 tar czf "$OUT/results.tar.gz" -C /tmp results

@@ -107,8 +107,7 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self._worker.start_load_kv(self._get_connector_metadata())
 
-    @_timed("worker")
-    def wait_for_layer_load(self, layer_name: str) -> None:
+    def wait_for_layer_load(self, layer_name: str) -> None:  # per layer: not timed
         self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:

@@ -106,6 +106,8 @@ class Transfer:
         region = pool.take(nbytes) if pool is not None else None
         if region is None:  # no staging room: the kernel writes pinned memory directly
             gather(group, caches, kv, moves)
+            # on the compute stream: `fence` (the side stream's) must come after it too
+            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
             return [moves], list(objects)
         staging = region.view(dtype).view(len(kv), *shape)
         gather(group, caches, list(staging), moves)  # device bandwidth: the full grid
