@@ -8,7 +8,11 @@ at the same CPU memory. Modelled on LMCache's long-doc-QA and multi-round-QA ben
 
 Scenarios (each starts from empty caches: `reset_prefix_cache(reset_connector=True)`):
 - `fits`: long-doc QA whose dense working set (all layers, every token) fits in the CPU
-  tier; `over`: the same with a dense working set `--over` (3) times the CPU tier.
+  tier; `over`: the same with a dense working set `--over` (3) times the CPU tier;
+  `loop`: `--docs` documents, `--loop-rounds` rounds in one order (a cycle: LRU's worst
+  case); `zipf`: `--zipf-requests` requests over `--docs` documents drawn from a Zipf
+  law (exponent `--zipf-s`), in rounds of `--docs` requests (the tier sweep,
+  `bench_sweep.py`, runs these two at tier sizes around the working set).
   N documents of L tokens, each asked one of Q question suffixes per round, in one
   shuffled order (`--order reshuffle`: a new one each round), `--batch` requests in
   flight (one `llm.generate` of a list).
@@ -53,14 +57,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 SYSTEMS = ("none", "gemma4-kv", "offloading", "offloading-defaults")
-SCENARIOS = ("fits", "over", "chat")
+SCENARIOS = ("fits", "over", "loop", "zipf", "chat")
 CHUNK = 256  # the connector's chunk_size (its default)
 GiB = 1 << 30
 
 # --tiny: vLLM's CPU build, the tests' tiny Gemma 4 (CI smoke test)
 TINY = dict(config="tiny", dtype="float32", block_size=32, cpu_gb=0.01, kv_cache_gb=0.004,
             max_num_batched_tokens=512, doc_len=512, question_len=16, batch=2, max_tokens=2,
-            fits_rounds=3, over_rounds=2, retention_interval=512, chat_users=2, chat_turns=3,
+            fits_rounds=3, over_rounds=2, chat_users=2, chat_turns=3, docs=4,
+            zipf_requests=12,
             chat_system=64, chat_history=128, chat_message=16, chat_answer=16,
             warmup_docs=1, settle_s=0.2)
 
@@ -72,23 +77,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true",
                    help="tiny model and sizes for vLLM's CPU build (smoke test)")
     p.add_argument("--config", default="gemma4-12b-like", help="bundled model shape")
+    p.add_argument("--layers", type=int,
+                   help="keep the shape's first LAYERS layers (same groups, head sizes and "
+                        "window: the same bytes per token per layer)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--block-size", type=int, help="vLLM block_size (default: vLLM's)")
     p.add_argument("--systems", default="none,gemma4-kv,offloading",
                    help=f"comma-separated, of {', '.join(SYSTEMS)}")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
-    p.add_argument("--cpu-gb", type=float, default=18.0,
-                   help="CPU tier of every connector: gemma4-kv cpu_gb, OffloadingConnector "
-                        "cpu_bytes_to_use")
+    p.add_argument("--cpu-gb", type=float, default=4.0,
+                   help="CPU tier of every connector: gemma4-kv cpu_gb (its default), "
+                        "OffloadingConnector cpu_bytes_to_use")
     p.add_argument("--kv-cache-gb", type=float, default=4.0,
                    help="vLLM's GPU KV cache (kv_cache_memory_bytes), smaller than the "
                         "working set but enough for one request of max_model_len (vLLM "
                         "refuses less: 2.84 GiB for 8448 tokens of the 12B-like shape)")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--retention-interval", type=int, default=8192,
-                   help="gemma4-kv retention_interval (tokens between stored sliding-window "
-                        "chunks)")
     p.add_argument("--doc-len", type=int, default=8192)
     p.add_argument("--question-len", type=int, default=64)
     p.add_argument("--questions", type=int, default=2, help="question suffixes per document")
@@ -97,6 +102,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--over", type=float, default=3.0,
                    help="`over`: dense working set / CPU tier")
     p.add_argument("--over-docs", type=int, help="default: from --over")
+    p.add_argument("--docs", type=int, default=16, help="`loop` and `zipf`: documents")
+    p.add_argument("--loop-rounds", type=int, default=3, help="rounds incl. the cold one")
+    p.add_argument("--zipf-requests", type=int, default=64)
+    p.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent")
     p.add_argument("--order", choices=("same", "reshuffle"), default="same",
                    help="documents (and chat users) in one seeded shuffled order every "
                         "round (LMCache long-doc-QA's `tile`: a cycle, LRU's worst case), "
@@ -158,6 +167,11 @@ def model_config(args):
 
     cfg = load_text_config(bundled_config(args.config))
     cfg.architectures = ["Gemma4ForCausalLM"]
+    if getattr(args, "layers", None):
+        keep = list(cfg.layer_types)[:args.layers]
+        if "full_attention" not in keep:
+            raise SystemExit("--layers must keep a full-attention layer")
+        cfg.num_hidden_layers, cfg.layer_types = args.layers, keep
     return cfg
 
 
@@ -173,21 +187,29 @@ def layout_of(args, cfg):
 def sizes(args, layout) -> dict:
     """Documents per long-doc scenario and what they take, densely and as retained by
     this connector (plan.retained_chunks: sliding groups only before hit ends)."""
+    from gemma4_kv.config.settings import ConnectorSettings
     from gemma4_kv.layout.plan import hit_ends, retained_chunks
 
     dense = sum(g.bytes_per_token for g in layout.groups)
     prompt = args.doc_len + args.question_len
     n = prompt // CHUNK
     limit = min(n * CHUNK, (prompt - 1) // layout.chunk_multiple * layout.chunk_multiple)
-    ends = hit_ends(n, CHUNK, limit, args.retention_interval)
-    kept = sum((n if g.window is None else len(retained_chunks(g, CHUNK, ends)))
-               * CHUNK * g.bytes_per_token for g in layout.groups)
+
+    def retained(interval):
+        ends = hit_ends(n, CHUNK, limit, interval)
+        return sum((n if g.window is None else len(retained_chunks(g, CHUNK, ends)))
+                   * CHUNK * g.bytes_per_token for g in layout.groups)
+
+    kept = retained(ConnectorSettings().retention_interval)
+    final = retained(n * CHUNK)  # only the final hit's window: what OffloadingConnector keeps
     doc_dense = n * CHUNK * dense
     cpu = args.cpu_gb * GiB
     fits = args.fits_docs or max(1, math.floor(0.92 * cpu / doc_dense))
     over = args.over_docs or max(1, math.ceil(args.over * cpu / doc_dense))
     return dict(dense_bytes_per_token=dense, doc_dense_bytes=doc_dense,
                 doc_retained_bytes=kept, retained_over_dense=kept / doc_dense,
+                doc_final_hit_bytes=final, final_hit_over_dense=final / doc_dense,
+                docs_final_hit_bytes=args.docs * final,
                 fits_docs=fits, over_docs=over,
                 fits_dense_over_cpu=fits * doc_dense / cpu,
                 over_dense_over_cpu=over * doc_dense / cpu,
@@ -226,6 +248,20 @@ def longdoc_rounds(args, vocab: int, name: str, docs: int, rounds: int):
         out.append([(f"d{d}q{(d + r) % args.questions}", doc[d] + qs[(d + r) % args.questions])
                     for d in order])
     return out
+
+
+def zipf_rounds(args, vocab: int, name: str):
+    """`--zipf-requests` requests over `--docs` documents, document d drawn with weight
+    1 / (d + 1) ** s, in rounds of `--docs` (the first one cold-ish)."""
+    base = f"{args.seed}:{name}"
+    doc = [_tokens(f"{base}:doc:{d}", args.doc_len, vocab) for d in range(args.docs)]
+    qs = [_tokens(f"{base}:q:{q}", args.question_len, vocab) for q in range(args.questions)]
+    rng = random.Random(f"{base}:draws")
+    draws = rng.choices(range(args.docs), [1 / (d + 1) ** args.zipf_s
+                                           for d in range(args.docs)], k=args.zipf_requests)
+    items = [(f"d{d}q{i % args.questions}", doc[d] + qs[i % args.questions])
+             for i, d in enumerate(draws)]
+    return [items[i:i + args.docs] for i in range(0, len(items), args.docs)]
 
 
 class Chat:
@@ -280,9 +316,8 @@ def engine_kwargs(args, system: str, model: str, stats: Path, layout) -> dict:
         kw.update(gpu_memory_utilization=args.gpu_memory_utilization,
                   disable_custom_all_reduce=True)
     if system == "gemma4-kv":
-        kw["kv_transfer_config"] = connector_config({
-            "cpu_gb": args.cpu_gb, "stats_file": str(stats),
-            "retention_interval": args.retention_interval})
+        kw["kv_transfer_config"] = connector_config({"cpu_gb": args.cpu_gb,
+                                                     "stats_file": str(stats)})
     elif system.startswith("offloading"):
         import bench_ttft  # its OffloadingConnector settings (and the /dev/shm fallback)
 
@@ -424,6 +459,10 @@ def run_worker(args, system: str, result_path: Path) -> None:
                                0 if "vllm:kv_offload_load_bytes" in after else None)
         external = delta.get("vllm:external_prefix_cache_hits", 0)
         local = delta.get("vllm:prefix_cache_hits", 0)
+        host = {half: 1e3 * delta.get(f"vllm:gemma4_kv_{half}_seconds", 0)
+                / delta[f"vllm:gemma4_kv_{half}_steps"]
+                for half in ("scheduler", "worker")
+                if delta.get(f"vllm:gemma4_kv_{half}_steps")}
         return dict(wall_s=wall, requests=len(reqs), prompt_tokens=prompt,
                     ttft_mean_s=statistics.fmean(ttfts), ttft_p90_s=p90(ttfts),
                     store_share=external / prompt, gpu_share=local / prompt,
@@ -433,6 +472,7 @@ def run_worker(args, system: str, result_path: Path) -> None:
                     stored_bytes=stored,
                     stored_bytes_per_token=None if stored is None else stored / prompt,
                     loaded_bytes=loaded, preemptions=delta.get("vllm:num_preemptions", 0),
+                    connector_ms_per_step=host or None,
                     counters={k: v for k, v in delta.items() if v and (
                         "cache" in k or "kv_offload" in k or "gemma4_kv" in k
                         or "preempt" in k or k == "vllm:prompt_tokens")},
@@ -459,10 +499,15 @@ def run_worker(args, system: str, result_path: Path) -> None:
         if name == "chat":
             rounds = run_chat(args, vocab, run_round)
         else:
-            docs, n = ((sz["fits_docs"], args.fits_rounds) if name == "fits"
-                       else (sz["over_docs"], args.over_rounds))
+            if name == "zipf":
+                plan = zipf_rounds(args, vocab, name)
+            else:
+                docs, n = {"fits": (sz["fits_docs"], args.fits_rounds),
+                           "over": (sz["over_docs"], args.over_rounds),
+                           "loop": (args.docs, args.loop_rounds)}[name]
+                plan = longdoc_rounds(args, vocab, name, docs, n)
             rounds = []
-            for r, items in enumerate(longdoc_rounds(args, vocab, name, docs, n)):
+            for r, items in enumerate(plan):
                 rounds.append(dict(round=r, kind="cold" if r == 0 else "warm",
                                    **run_round(items, answer_sp, args.batch)))
                 print(f"[{system}] {name} round {r}: {rounds[-1]['wall_s']:.2f} s, "

@@ -69,3 +69,33 @@ def test_serving_benchmark_runs_on_cpu(tmp_path):
     ex = summary["exactness"]["gemma4-kv"]
     assert ex["compared_with_none"] > 0 and ex["differ_from_none"] == 0
     assert ex["repeated_prompts"] == 0 or ex["differ_from_first_time"] == 0
+
+
+def test_a_loop_larger_than_the_cpu_tier_keeps_hitting_on_a_stable_subset(tmp_path):
+    """The tier sweep's looping order through vLLM's CPU build (bench_serving `loop`):
+    4 tiny documents of 512 tokens + a 16-token question, 3 rounds in one order, a CPU
+    tier of 2.5 documents as this connector keeps them. Worked out by hand: each
+    document's hit is its 2 full chunks (512 tokens) and needs, in LMCache's L1 (4 KiB
+    allocation units), 2 full-attention objects of 266,240 bytes and one window chunk of
+    each of the 5 sliding groups, 135,168 bytes each: 1,208,320 bytes. Two fit; the
+    third and fourth, asked as often as those, evict nothing. So every warm round serves
+    2 x 512 of its 4 x 528 prompt tokens from the store, and always the same two
+    documents (LRU, in the same loop, would serve none)."""
+    doc = 2 * 266_240 + 5 * 135_168
+    cpu_gb = 2.5 * doc / (1 << 30)
+    out = tmp_path / "loop"
+    cmd = [sys.executable, str(BENCH), "--tiny", "--inproc", "--out", str(out),
+           "--systems", "gemma4-kv", "--scenarios", "loop", "--docs", "4",
+           "--loop-rounds", "3", "--cpu-gb", f"{cpu_gb:.9f}", "--warmup-docs", "1",
+           "--settle-s", "0.1"]
+    env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
+    proc = run_group(cmd, env=env, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rounds = json.loads((out / "serving.json").read_text())[
+        "systems"]["gemma4-kv"]["scenarios"]["loop"]["rounds"]
+    assert [r["kind"] for r in rounds] == ["cold", "warm", "warm"]
+    for r in rounds[1:]:
+        assert r["gpu_tokens"] == 0  # vLLM's GPU cache (LRU) holds less than the loop
+        assert r["store_tokens"] == 2 * 512 and r["prompt_tokens"] == 4 * 528
+    served = [{q["label"].split("q")[0] for q in r["req"] if q["cached"]} for r in rounds[1:]]
+    assert served[0] == served[1] and len(served[0]) == 2  # the same two documents
