@@ -166,12 +166,15 @@ def model_config(args):
     from gemma4_kv.layout.from_hf import load_text_config
 
     cfg = load_text_config(bundled_config(args.config))
-    cfg.architectures = ["Gemma4ForCausalLM"]
-    if getattr(args, "layers", None):
-        keep = list(cfg.layer_types)[:args.layers]
-        if "full_attention" not in keep:
+    if getattr(args, "layers", None):  # the same shape built with fewer layers
+        import transformers
+
+        data = {k: v for k, v in json.loads(bundled_config(args.config).read_text()).items()
+                if k not in ("model_type", "architectures")}
+        cfg = transformers.Gemma4TextConfig(**{**data, "num_hidden_layers": args.layers})
+        if "full_attention" not in cfg.layer_types:
             raise SystemExit("--layers must keep a full-attention layer")
-        cfg.num_hidden_layers, cfg.layer_types = args.layers, keep
+    cfg.architectures = ["Gemma4ForCausalLM"]
     return cfg
 
 

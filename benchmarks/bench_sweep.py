@@ -170,6 +170,8 @@ def plot(sweep: dict, path: str) -> bool:
             axes[0][col].plot(x, [hit_share(r) for r in rs], style, label=s)
             axes[1][col].plot(x, [r["warm_wall_mean_s"] for r in rs], style, label=s)
         xs = sorted({r["fraction"] for r in sweep["rows"]})
+        if not xs:
+            continue
         axes[0][col].plot(xs, [0.8 * min(f, 1) for f in xs], "k:", lw=0.8,
                           label="target 0.8 x tier / working set")
         axes[0][col].set_ylim(0, 1.05)

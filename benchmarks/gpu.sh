@@ -43,8 +43,8 @@ part_checks() {
 part_sweep() {
   timeout -k 20 "${1:-420}" python3 benchmarks/bench_sweep.py --out $R/sweep \
     --config gemma4-12b-like --layers 12 --docs 16 --doc-len 8192 --question-len 48 \
-    --kv-cache-gb 1 --batch 4 --max-tokens 4 --loop-rounds 3 --zipf-requests 64 \
-    --settle-s 0.3 --point-timeout 150 > $R/sweep.log 2>&1
+    --kv-cache-gb 1 --batch 4 --max-tokens 4 --loop-rounds 3 --zipf-requests 48 \
+    --warmup-docs 1 --settle-s 0.3 --point-timeout 150 > $R/sweep.log 2>&1
   sed -n '/^tier sweep/,$p' $R/sweep.log || tail -20 $R/sweep.log
 }
 part_serving() {
