@@ -462,7 +462,7 @@ def run_worker(args, system: str, result_path: Path) -> None:
                                0 if "vllm:kv_offload_load_bytes" in after else None)
         external = delta.get("vllm:external_prefix_cache_hits", 0)
         local = delta.get("vllm:prefix_cache_hits", 0)
-        host = {half: 1e3 * delta.get(f"vllm:gemma4_kv_{half}_seconds", 0)
+        host = {half: delta.get(f"vllm:gemma4_kv_{half}_us", 0) / 1e3
                 / delta[f"vllm:gemma4_kv_{half}_steps"]
                 for half in ("scheduler", "worker")
                 if delta.get(f"vllm:gemma4_kv_{half}_steps")}

@@ -23,8 +23,8 @@ from ..stores.lmcache import set_log_level
 
 
 def _timed(half: str, step: bool = False):
-    """Count the host time a call of vLLM's spends in this connector (`<half>_seconds`)
-    and, for the call made once per step, the steps."""
+    """Count the host time a call of vLLM's spends in this connector (`<half>_us`) and,
+    for the call made once per step, the steps."""
     def wrap(fn):
         @functools.wraps(fn)
         def timed(self, *args, **kwargs):
@@ -33,7 +33,7 @@ def _timed(half: str, step: bool = False):
                 return fn(self, *args, **kwargs)
             finally:
                 stats = self._stats
-                stats.add(f"{half}_seconds", time.perf_counter() - t0)
+                stats.add(f"{half}_us", 1e6 * (time.perf_counter() - t0))
                 if step:
                     stats.add(f"{half}_steps", 1)
         return timed

@@ -33,9 +33,10 @@ COUNTERS = {
     "hit_tokens_l2": ("Hit tokens brought up from an L2 tier", None),
     "rejected_objects": ("Objects from an L2 tier that failed verification", None),
     "evicted_objects": ("Objects the CPU tier deleted to make room or as unservable", None),
-    "scheduler_seconds": ("Host time of the scheduler half in vLLM's calls", "s"),
+    # in microseconds: vLLM's LLM.get_metrics() reads counters as integers
+    "scheduler_us": ("Host time of the scheduler half in vLLM's calls, microseconds", None),
     "scheduler_steps": ("Steps the scheduler half planned", None),
-    "worker_seconds": ("Host time of a worker rank in vLLM's calls", "s"),
+    "worker_us": ("Host time of a worker rank in vLLM's calls, microseconds", None),
     "worker_steps": ("Steps a worker rank ran", None),
 }
 PER_GROUP = ("load_bytes", "save_bytes")
@@ -92,7 +93,7 @@ class Gemma4KVStats(KVConnectorStats):
         for half in ("scheduler", "worker"):
             if d.get(f"{half}_steps"):
                 out[f"{half}_ms_per_step"] = round(
-                    1e3 * d.get(f"{half}_seconds", 0) / d[f"{half}_steps"], 3)
+                    d.get(f"{half}_us", 0) / 1e3 / d[f"{half}_steps"], 3)
         return out
 
     def is_empty(self) -> bool:
