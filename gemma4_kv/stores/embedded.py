@@ -107,7 +107,9 @@ class EmbeddedStore(ChunkStore):
             self._bytes[g.group_id] = self.tier.allocated_bytes(shapes, dtypes)
         self._windows = {g.group_id: window_chunks(g, chunk_size) for g in layout.groups}
         self._full = [g.group_id for g in layout.groups if g.kind is AttentionKind.FULL]
-        self.capacity = Capacity(self.tier.usage()[1])
+        self._total = self.tier.usage()[1]
+        self.capacity = Capacity(self._total)
+        self._warned_untracked = False
         self._inflight: list[_Prefetch] = []  # lookup thread
         self._maybe_untrusted: Counter = Counter()  # keys an unsettled prefetch may load
         self._bad: set = set()  # keys whose L2 copy failed verification
@@ -366,6 +368,7 @@ class EmbeddedStore(ChunkStore):
         (`Capacity.plan`), in the room `Capacity.grant` makes, as {(hash, group): (KV
         tensor, trailer tensor, trailer key)}; objects in L1 already are skipped."""
         chain = write.chain
+        self._fit_limit()
         ends = [self._end(chain, t, cls) for t, cls in write.ends
                 if -(-t // self.chunk_size) <= len(chain)]
         self.capacity.plan(write.req_id, ends, self._sizes({c for e in ends for c in e.cells}))
@@ -385,9 +388,24 @@ class EmbeddedStore(ChunkStore):
                 res.keys.append(key)
         self.capacity.reserved(self._sizes(res.objects))
         short = [c for c in granted if c not in res.objects]
-        if short:  # L1 had less room than counted (alignment): their hits cannot complete
+        if short:  # L1 had less room than counted: their hits cannot complete
+            logger.warning("gemma4-kv: the CPU tier had no room for %d of %d objects its "
+                           "account made room for (L1 %d of %d bytes used, %d accounted)",
+                           len(short), len(granted), *self.tier.usage(), self.capacity.used)
             self._delete(self.capacity.dropped(short))
         return res
+
+    def _fit_limit(self) -> None:
+        """What L1 holds beyond the account (objects not yet deleted that a reader holds,
+        allocation overhead) is room the account cannot give: its limit shrinks by it."""
+        used = self.tier.usage()[0]
+        extra = max(0, used - self.capacity.used)
+        self.capacity.limit = self._total - extra
+        if extra > 0.01 * self._total and not self._warned_untracked:
+            self._warned_untracked = True
+            logger.warning("gemma4-kv: the CPU tier holds %d bytes more than its account "
+                           "(%d of %d used); the account's limit leaves them out", extra,
+                           used, self._total)
 
     def _reconcile(self, cells: list[ChunkKey]) -> None:
         """Objects the account holds as stored that L1 no longer has (deleted behind the
