@@ -5,7 +5,8 @@ weights never share a hit over what differs, identical ones do, and every output
 equals recomputation.
 
 One connector engine and one recomputation engine (no connector) run the same
-script of steps once (module fixture); each test checks one aspect of those runs.
+script of steps once, side by side (tests/conftest.py `engine_pool`); each test checks
+one aspect of those runs.
 The harness sharpens vLLM's dummy weights (norms and layer scalars set to 1), so the
 tiny model's greedy tokens depend on the whole prompt and a wrong hit shows.
 """
@@ -20,14 +21,17 @@ from collections import Counter
 import pytest
 import torch
 
+from needs import require
+
 from gemma4_kv.tools.harness import save_config, tiny_gemma4_config
 from gemma4_kv.layout.from_hf import hf_layout
 from model_keys import chunk_hashes
 from gemma4_kv.layout.plan import needed_blocks
 from e2e_common import saved_blocks
 from e2e_requests_common import counters, expected_store, run_steps, write_adapter
+from scheduler_half import SchedulerHalf
 
-pytest.importorskip("vllm")
+require("vllm")
 pytestmark = pytest.mark.vllm
 
 CHUNK = 256
@@ -101,17 +105,26 @@ def model_keys(name: str, generation: int) -> list[bytes]:
     return chunk_hashes(tokens, CHUNK, salt=f"{generation}|{label}")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def engine_jobs(tmp_path_factory, selected):
+    """The two engines, beside each other and other modules' (tests/conftest.py
+    `engine_pool`): nothing here depends on time."""
     tmp = tmp_path_factory.mktemp("e2e-requests")
     cfg = tiny_gemma4_config(window=100)
     model = save_config(cfg, tmp / "model")
     loras = {"A": write_adapter(tmp / "lora-A", 1, cfg), "B": write_adapter(tmp / "lora-B", 2, cfg)}
     extra = {"retention_interval": RETENTION, "disk_path": str(tmp / "disk")}
-    base, _, base_log = run_steps(tmp, "base", model, STEPS, connector=False, engine=ENGINE,
-                                  loras=loras, env=ENV)
-    out, events, log = run_steps(tmp, "conn", model, STEPS, connector=True, engine=ENGINE,
-                                 extra=extra, loras=loras, env=ENV)
+    return [("base", 80.0, lambda: run_steps(tmp, "base", model, STEPS, connector=False,
+                                             engine=ENGINE, loras=loras, env=ENV)),
+            ("conn", 80.0, lambda: run_steps(tmp, "conn", model, STEPS, connector=True,
+                                             engine=ENGINE, extra=extra, loras=loras,
+                                             env=ENV))]
+
+
+@pytest.fixture(scope="module")
+def runs(engine_pool):
+    cfg = tiny_gemma4_config(window=100)
+    base, _, base_log = engine_pool.result((__name__, "base"))
+    out, events, log = engine_pool.result((__name__, "conn"))
     layout = hf_layout(cfg, dtype=torch.float32, block_size=BLOCK)
     # Batched requests modelled one at a time: where a batch's identical pair ran in
     # one step the later one hits nothing instead (see test_hits_...); what is stored
@@ -255,136 +268,6 @@ BOI, EOI, IMAGE = 500, 501, 502
 IMAGE_LEN = 66  # boi + 64 soft tokens + eoi: what vLLM's Gemma 4 processor places
 
 
-class SchedulerHalf:
-    """The connector in vLLM's SCHEDULER role on a real VllmConfig / KVCacheConfig, with
-    one worker rank's store and lookup service in this process; `serve` plays one
-    request through vLLM's call order (lookup, allocate, update_state_after_alloc,
-    build_connector_meta, request_finished) and does the worker's part of the step."""
-
-    def __init__(self, model_dir, tmp_path):
-        from vllm.config import KVTransferConfig
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.core.kv_cache_utils import (get_kv_cache_configs, get_request_block_hasher,
-                                                 init_none_hash, resolve_kv_cache_block_sizes)
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-
-        from gemma4_kv.connector import Gemma4KVConnector
-        from gemma4_kv.layout.from_hf import layer_specs
-        from gemma4_kv.keys.engine import fingerprint
-        from gemma4_kv.layout.groups import from_vllm
-        from gemma4_kv.lookup.channel import LookupServer
-        from gemma4_kv.lookup.sockets import socket_address
-        from gemma4_kv.lookup.service import LookupService
-        from gemma4_kv.connector.metrics import Gemma4KVStats
-        from gemma4_kv.config.settings import ConnectorSettings
-        from gemma4_kv.stores.factory import open_store
-
-        extra = {"cpu_gb": 0.25, "retention_interval": RETENTION}
-        vc = EngineArgs(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
-                        dtype="float32", max_model_len=4096, block_size=BLOCK,
-                        kv_transfer_config=KVTransferConfig(
-                            kv_connector="Gemma4KVConnector",
-                            kv_connector_module_path="gemma4_kv.connector",
-                            kv_role="kv_both", kv_connector_extra_config=extra),
-                        ).create_engine_config()
-        vc.cache_config.kv_cache_layout = "LBHNC"  # what the engine core picks on CPU
-        cfg = vc.model_config.hf_text_config
-        specs = {}
-        for name, s in layer_specs(cfg, dtype=torch.float32, block_size=BLOCK)[0].items():
-            kw = dict(block_size=BLOCK, num_kv_heads=s.num_kv_heads, head_size=s.head_size,
-                      dtype=torch.float32)
-            specs[name] = (SlidingWindowSpec(sliding_window=s.window, **kw) if s.window
-                           else FullAttentionSpec(**kw))
-        self.kv_cache_config = get_kv_cache_configs(vc, [specs], [64 << 20])[0]
-        block, self.hash_block = resolve_kv_cache_block_sizes(self.kv_cache_config, vc)
-        hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
-        self.block_hasher = get_request_block_hasher(self.hash_block, hash_fn)
-        self.layout = from_vllm(self.kv_cache_config)
-        settings = ConnectorSettings.from_extra_config(extra)
-        self.store = open_store(settings.store_config(), self.layout,
-                                fingerprint(self.layout, model="tiny-mm", chunk_size=CHUNK),
-                                CHUNK)
-        self.lookups = LookupService(self.store, self.layout, CHUNK, 2.0, Gemma4KVStats())
-        self.server = LookupServer(
-            socket_address(vc.kv_transfer_config.engine_id, os.getpid(), 0),
-            self.lookups.handle)
-        self.kvm = KVCacheManager(self.kv_cache_config, max_model_len=4096,
-                                  scheduler_block_size=block, hash_block_size=self.hash_block,
-                                  enable_caching=False)
-        self.connector = Gemma4KVConnector(vc, KVConnectorRole.SCHEDULER, self.kv_cache_config)
-        self.connector.bind_kv_cache_manager(self.kvm)
-        self.saved: dict[str, list[bytes]] = {}  # request id -> keys of the chunks saved
-        self._gen = torch.Generator().manual_seed(0)
-        self._ids = iter(range(10**6))
-
-    def request(self, tokens, images=()):
-        from vllm import SamplingParams
-        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-        from vllm.v1.request import Request
-
-        feats = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
-                                       mm_position=PlaceholderRange(offset=off, length=n))
-                 for ident, off, n in images]
-        return Request(f"mm-{next(self._ids)}", tokens, SamplingParams(max_tokens=1), None,
-                       mm_features=feats, block_hasher=self.block_hasher)
-
-    def serve(self, req):
-        """(hit, this step's connector metadata) of a request served alone."""
-        from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
-
-        from gemma4_kv.layout.plan import load_blocks
-
-        rid = req.request_id
-        hit, load_async = self.connector.get_num_new_matched_tokens(req, 0)
-        assert hit is not None and not load_async  # no L2 tier: never pending
-        assert self.kvm.allocate_slots(req, req.num_tokens - hit,
-                                       num_external_computed_tokens=hit) is not None
-        self.connector.update_state_after_alloc(req, self.kvm.get_blocks(rid), hit)
-        req.num_computed_tokens = hit
-        out = SchedulerOutput.make_empty()
-        block_ids = self.kvm.get_block_ids(rid)
-        out.scheduled_new_reqs = [NewRequestData.from_request(req, block_ids)]
-        out.num_scheduled_tokens = {rid: req.num_tokens - hit}
-        out.total_num_scheduled_tokens = req.num_tokens - hit
-        meta = self.connector.build_connector_meta(out)
-        # The worker's part: read the pinned hit, write what the step saves.
-        for load in meta.loads:
-            pinned = self.lookups.take(load.req_id)
-            assert (pinned.start, pinned.hit) == (load.start, load.hit)
-            for cb in load_blocks(self.layout, load.start, load.hit, CHUNK, load.block_ids):
-                assert (load.hashes[cb.chunk], cb.group_id) in pinned.pinned.views
-            self.lookups.done(pinned)
-        for job in meta.finished:  # requests of earlier steps
-            self.store.on_request_finished(job.req_id)
-        for save in meta.saves:
-            self._put(save)
-            w = save.write
-            self.saved[w.req_id] = list(w.chain[w.first:w.first + len(w.groups)])
-        req.num_computed_tokens = req.num_tokens
-        self.connector.request_finished_all_groups(req, block_ids)
-        self.kvm.free(req)
-        return hit, meta
-
-    def _put(self, save):
-        from gemma4_kv.stores import integrity
-
-        res = self.store.reserve(save.write)
-        for kv, trailer, key in res.objects.values():
-            kv.copy_(torch.randn(kv.shape, generator=self._gen).to(kv.dtype))
-            integrity.seal(kv, trailer, key)
-        self.store.commit(res)
-
-    def close(self):
-        self.connector.shutdown()
-        self.server.close()
-        self.lookups.close()
-        self.store.close()
-
-
 def _image_id(color, model="tiny") -> str:
     """The identifier vLLM's input processor gives an image item (its MultiModalHasher
     over the PIL image; sha256: blake3, the default, is not installed)."""
@@ -406,7 +289,7 @@ def test_multimodal_items_through_the_scheduler_half(tmp_path):
     chunk 0; the chunks before it when it comes later); the same image: the whole hit;
     vLLM's own block hashes differ and agree in the same places."""
     model = save_config(tiny_gemma4_config(window=100), tmp_path / "model")
-    half = SchedulerHalf(model, tmp_path)
+    half = SchedulerHalf(model)
     try:
         a, b = _image_id((10, 200, 30)), _image_id((200, 10, 90))
         assert a != b and _image_id((10, 200, 30)) == a

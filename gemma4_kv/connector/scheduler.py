@@ -57,6 +57,9 @@ class _Request:
     from_l2: int = 0
     asked: bool = False
     """A lookup reached the workers: they may hold pins or a prefetch for it."""
+    loading: bool = False
+    """Its hit's load went to the workers in a step's metadata: they free its pins after
+    loading, in step order (a Release now could reach a rank before that step's load)."""
     stored: list[tuple[int, ...]] = field(default_factory=list)
     """Groups stored for each chunk so far (to touch them when the request ends)."""
     impure: set[int] = field(default_factory=set)
@@ -91,7 +94,8 @@ class ConnectorScheduler:
                     g.window, self.chunk_size, g.window)
         ktc = vllm_config.kv_transfer_config
         self.can_load, self.can_save = ktc.is_kv_consumer, ktc.is_kv_producer
-        unsafe = engine_identity(vllm_config, weights_id=settings.weights_id).unsafe
+        unsafe = engine_identity(vllm_config, weights_id=settings.weights_id,
+                                 model_id=settings.model_id).unsafe
         if unsafe:
             logger.warning("gemma4-kv: nothing is stored or loaded: %s", unsafe)
             self.can_load = self.can_save = False
@@ -137,7 +141,8 @@ class ConnectorScheduler:
         keys = self.keyer.refresh(st.keys, request) if st else \
             self.keyer.keys(request, request.num_prompt_tokens)
         if isinstance(keys, Uncacheable):
-            self._requests.pop(request.request_id, None)
+            if st is not None:  # uncacheable from now on: what the ranks hold for it goes
+                self._forget(request.request_id, st)
             logger.debug("gemma4-kv: request %s is not cached: %s", request.request_id,
                          keys.reason)
             return None
@@ -201,7 +206,7 @@ class ConnectorScheduler:
         if start + num_external_tokens != hit:
             raise RuntimeError(f"vLLM allocated {num_external_tokens} external tokens after "
                                f"{start}, the connector offered up to {hit}")
-        st.hit = None  # the worker releases the pins once loaded
+        st.hit, st.loading = None, True  # the worker releases the pins once loaded
         n = -(-hit // self.chunk_size)
         st.next_chunk = max(st.next_chunk, hit // self.chunk_size)
         self._loads.append(LoadJob(request.request_id, start, hit,
@@ -303,14 +308,24 @@ class ConnectorScheduler:
 
     # -- end of a request, reset --------------------------------------------------------
     def request_finished(self, request) -> tuple[bool, None]:
-        st = self._requests.pop(request.request_id, None)
+        st = self._requests.get(request.request_id)
         if st is not None:
-            if st.asked:
-                st.hit = None
-                self._release_all(request.request_id)
-            if st.stored:
-                self._finished.append(FinishJob(request.request_id))
+            self._forget(request.request_id, st)
         return False, None
+
+    def _forget(self, req_id: str, st: _Request) -> None:
+        """The request is done here (finished, aborted, or uncacheable from now on): the
+        ranks drop its pins and prefetches, and the store what it kept for its writes.
+        A load already sent keeps its pins: the workers free them once it has run."""
+        self._requests.pop(req_id, None)
+        queued = [j for j in self._loads if j.req_id == req_id]
+        if queued:  # not sent yet: no worker will look for it
+            self._loads = [j for j in self._loads if j.req_id != req_id]
+        if st.asked and (queued or not st.loading):
+            st.hit = None
+            self._release_all(req_id)
+        if st.stored:
+            self._finished.append(FinishJob(req_id))
 
     def reset_cache(self) -> bool:
         """Every rank makes what it stored unreachable (new generation in its keys)."""
@@ -330,7 +345,9 @@ class ConnectorScheduler:
             self._release_all(req_id)
 
     def _release_all(self, req_id: str) -> None:
-        self.client.ask_all(messages.Release(req_id))
+        """Without waiting for the answers: a rank handles its messages in order, so a
+        later lookup of the same request is handled after the release."""
+        self.client.tell_all(messages.Release(req_id))
 
     def close(self) -> None:
         self.client.close()

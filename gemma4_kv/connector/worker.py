@@ -14,6 +14,7 @@ from ..config.host_checks import check_host_resources, check_tiers_reachable
 from ..config.settings import ConnectorSettings, SettingsError
 from ..keys.engine import engine_identity, fingerprint, layer_identity
 from ..layout.groups import from_vllm
+from ..lookup import messages
 from ..lookup.channel import LookupServer
 from ..lookup.service import LookupService
 from ..lookup.sockets import engine_core_pid, socket_address
@@ -39,6 +40,8 @@ class ConnectorWorker:
         self.stats = Gemma4KVStats()
         self.store = self.server = self.lookups = self.loads = self.saves = None
         self.rank = 0
+        self.enabled = True
+        """False when this rank cannot key its KV safely: it stores and serves nothing."""
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
@@ -79,7 +82,7 @@ class ConnectorWorker:
         engine_id = self.vllm_config.kv_transfer_config.engine_id
         self.server = LookupServer(
             socket_address(engine_id, engine_core_pid(self.vllm_config), rank),
-            self.lookups.handle)
+            self.lookups.handle if self.enabled else _nothing_cached)
         record.layout_event(self.fingerprint)
         logger.info("gemma4-kv: %d groups, fingerprint %s, store %s on rank %d",
                     len(self.layout.groups), self.fingerprint,
@@ -92,11 +95,15 @@ class ConnectorWorker:
         # The page interior depends on the attention backend and device (vLLM's CPU
         # backend stores K transposed): never mix objects across them.
         page_format = f"{self.kv_cache_config.kv_cache_layout}-{device.type}"
-        engine = engine_identity(self.vllm_config, weights_id=self.settings.weights_id)
+        engine = engine_identity(self.vllm_config, weights_id=self.settings.weights_id,
+                                 model_id=self.settings.model_id)
         layers, bad_layers = layer_identity(self.vllm_config,
                                             [n for g in self.layout.groups for n in g.layers])
         if engine.unsafe or bad_layers:
-            # The scheduler half sees the same and never asks or saves; say it once here.
+            # The scheduler half sees the engine's reasons and never asks or saves; what
+            # only a worker sees (its layers' scales) it enforces itself: every lookup
+            # misses and no save is made.
+            self.enabled = False
             logger.warning("gemma4-kv: KV of this engine cannot be keyed safely (%s): "
                            "nothing is stored or loaded", engine.unsafe or bad_layers)
         return fingerprint(self.layout, model=f"{model}|{page_format}",
@@ -112,7 +119,7 @@ class ConnectorWorker:
 
     def wait_for_save(self, meta: Gemma4KVMetadata) -> None:
         self.loads.end_of_forward()
-        for job in meta.saves:
+        for job in meta.saves if self.enabled else ():
             self.saves.submit(job)
         for job in meta.finished:
             self.saves.finish(job)
@@ -133,3 +140,10 @@ class ConnectorWorker:
         self.lookups.close()
         self.store.close()
         self.store = None
+
+
+def _nothing_cached(msg: messages.Request) -> messages.Reply:
+    """The lookup answers of a rank that stores and serves nothing."""
+    if isinstance(msg, messages.Lookup):
+        return messages.LookupReply()
+    return messages.Done(not isinstance(msg, messages.Repin))

@@ -1,0 +1,132 @@
+"""Requests that end between vLLM's calls, on two real lookup ranks: the connector's real
+scheduler half (vLLM's VllmConfig, KVCacheManager and block hasher) and, per rank, the
+real LookupService and EmbeddedStore behind a real lookup socket. The multiprocess
+executor hands a step to its workers after `schedule` returned: an abort or a request
+turning uncacheable lands in between."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from needs import require
+from scheduler_half import CHUNK, SchedulerHalf
+
+require("vllm")
+pytestmark = pytest.mark.vllm
+
+_rng = random.Random(11)
+PROMPT = [_rng.randrange(3, 500) for _ in range(1100)]
+HIT = 1024  # 4 full chunks of 256; the prompt's last token is computed by vLLM
+NONE = [set(), set()]
+
+
+@pytest.fixture(scope="module")
+def half(tmp_path_factory):
+    from gemma4_kv.tools.harness import save_config, tiny_gemma4_config
+
+    model = save_config(tiny_gemma4_config(window=100), tmp_path_factory.mktemp("model"))
+    h = SchedulerHalf(model, ranks=2)
+    first = h.request(PROMPT)
+    assert h.serve(first)[0] == 0
+    assert len(h.saved[first.request_id]) == HIT // CHUNK
+    yield h
+    h.close()
+
+
+def test_an_abort_after_the_step_was_scheduled_leaves_the_pins_to_the_workers(half):
+    """vLLM aborts a request whose load went out with step N before the workers run
+    step N: every rank still finds the pinned hit and frees it after loading."""
+    r = half.request(PROMPT)
+    hit, meta = half.schedule(r)
+    assert hit == HIT and [j.req_id for j in meta.loads] == [r.request_id]
+    half.finish(r)  # the abort: before any rank started step N
+    assert half.pinned() == [{r.request_id}] * 2
+    half.work(meta)  # raised RuntimeError when the scheduler released ahead of the load
+    assert half.pinned() == NONE
+    nxt = half.schedule(half.request(PROMPT))
+    assert nxt[0] == HIT and not nxt[1].finished  # nothing stored: nothing to finish
+    half.work(nxt[1])
+
+
+def test_the_release_the_fix_withholds_would_have_broken_the_load(half):
+    """Negative control: a Release that reaches the ranks before step N's load (what
+    `request_finished` sent) makes that load fail on every rank."""
+    from gemma4_kv.lookup import messages
+
+    r = half.request(PROMPT)
+    _, meta = half.schedule(r)
+    half.connector._scheduler.client.ask_all(messages.Release(r.request_id))
+    with pytest.raises(RuntimeError, match=f"rank 0 did not pin the hit of {r.request_id}"):
+        half.work(meta)
+    half.finish(r)
+    assert half.pinned() == NONE
+
+
+def test_an_abort_before_the_load_went_out_releases_on_every_rank(half):
+    """Looked up (pinned on both ranks), never allocated (vLLM had no blocks), then
+    aborted: no step carries its load, so the scheduler releases it at once."""
+    r = half.request(PROMPT)
+    assert half.connector.get_num_new_matched_tokens(r, 0) == (HIT, False)
+    assert half.pinned() == [{r.request_id}] * 2
+    half.connector.request_finished_all_groups(r, ((),) * len(half.layout.groups))
+    assert half.pinned() == NONE
+    hit, meta = half.schedule(again := half.request(PROMPT))
+    assert hit == HIT and [j.req_id for j in meta.loads] == [again.request_id]
+    half.work(meta)
+    half.finish(again)
+    assert half.pinned() == NONE
+
+
+def test_a_request_that_turns_uncacheable_while_waiting_releases_its_pins(half, tmp_path):
+    """A request pinned a hit but waits for blocks; meanwhile its LoRA id is re-pointed
+    at other adapter weights (uncacheable from then on). Its next lookup releases what
+    the ranks hold for it, instead of leaving the pins to LMCache's 300 s TTL."""
+    from vllm.lora.request import LoRARequest
+
+    from e2e_requests_common import write_adapter
+
+    text = half.text_config
+    path = write_adapter(tmp_path / "adapter", 1, text)
+    lora = LoRARequest("A", 7, path)
+    first = half.request(PROMPT, lora=lora)
+    assert half.serve(first)[0] == 0  # other keys than the base model's: stored anew
+    waiting = half.request(PROMPT, lora=lora)
+    assert half.connector.get_num_new_matched_tokens(waiting, 0) == (HIT, False)
+    assert half.pinned() == [{waiting.request_id}] * 2
+    write_adapter(path, 2, text)  # the same id and path, other weights
+    assert half.connector.get_num_new_matched_tokens(half.request(PROMPT, lora=lora),
+                                                     0) == (0, False)
+    assert half.connector.get_num_new_matched_tokens(waiting, 0) == (0, False)
+    assert half.pinned() == NONE
+    half.connector.request_finished_all_groups(waiting, ((),) * len(half.layout.groups))
+    assert half.pinned() == NONE
+
+
+
+def test_a_rank_that_cannot_key_its_kv_safely_makes_every_lookup_a_miss(half):
+    """A worker that finds its layers' KV cannot be keyed (a layer missing from vLLM's
+    forward context, say: the scheduler cannot see it) answers every lookup with
+    nothing, so the engine's hits stop although the other rank holds the chunks."""
+    from gemma4_kv.connector.worker import _nothing_cached
+    from gemma4_kv.lookup.channel import LookupServer
+
+    address = half.servers[1].address
+    half.servers[1].close()
+    half.servers[1] = LookupServer(address, _nothing_cached)
+    try:
+        r = half.request(PROMPT)
+        hit, meta = half.schedule(r)
+        assert hit == 0 and not meta.loads
+        half.work(meta)
+        half.finish(r)
+        assert half.pinned() == NONE  # rank 0's answer was released too
+    finally:
+        half.servers[1].close()
+        half.servers[1] = LookupServer(address, half.services[1].handle)
+    hit, meta = half.schedule(again := half.request(PROMPT))
+    assert hit == HIT  # negative control: both ranks answering, the same prompt hits
+    half.work(meta)
+    half.finish(again)
+    assert half.pinned() == NONE
