@@ -29,6 +29,7 @@ from gemma4_kv.lookup.sockets import engine_core_pid, socket_address, socket_dir
 PEER = str(Path(__file__).with_name("lookup_peer.py"))
 LOOKUP = messages.Lookup("req-1", [b"\x01" * 32], 0, 256)
 RID = (1 << 40).to_bytes(8, "big")
+MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 @pytest.fixture
@@ -234,6 +235,53 @@ def test_a_foreign_message_runs_nothing_gets_no_answer_and_serving_goes_on(
         server.close()
 
 
+def test_dropped_messages_are_all_counted_and_warned_of_once_per_interval(
+        rundir, caplog, monkeypatch):
+    from gemma4_kv.lookup import channel
+
+    server = LookupServer(socket_address("w", os.getpid(), 0),
+                          lambda msg: messages.Done(ok=True))
+    warned = lambda: [r.getMessage() for r in caplog.records  # noqa: E731
+                      if "not a lookup request" in r.getMessage()]
+    try:
+        for n in range(1, 6):
+            assert peer_send(server.address, [RID, b"\xc1garbage"], wait_ms=100) == "silent"
+            wait_until(lambda: server.dropped == n, f"message {n} dropped")
+        assert len(warned()) == 1  # within WARN_EVERY_S of the first
+        monkeypatch.setattr(channel, "WARN_EVERY_S", 0.0)
+        assert peer_send(server.address, [RID, b"\xc1garbage"], wait_ms=100) == "silent"
+        wait_until(lambda: server.dropped == 6, "message 6 dropped")
+        assert len(warned()) == 2 and "4 more since the last warning" in warned()[1]
+    finally:
+        server.close()
+
+
+def test_a_message_over_the_size_cap_is_refused_and_serving_goes_on(rundir):
+    import zmq
+
+    from gemma4_kv.lookup.channel import MAX_MESSAGE_BYTES
+
+    seen = []
+    server = LookupServer(socket_address("m", os.getpid(), 0),
+                          lambda msg: seen.append(msg) or messages.Done(ok=True))
+    client = LookupClient([server.address], timeout_ms=20_000)
+    ctx = zmq.Context()
+    big = ctx.socket(zmq.DEALER)
+    big.setsockopt(zmq.LINGER, 0)
+    try:
+        assert server._sock.getsockopt(zmq.MAXMSGSIZE) == MAX_MESSAGE_BYTES
+        assert [s.getsockopt(zmq.MAXMSGSIZE) for s in client._socks] == [MAX_MESSAGE_BYTES]
+        big.connect(server.address)
+        big.send_multipart([RID, b"\x00" * (MAX_MESSAGE_BYTES + 1)])
+        assert client.ask_all(LOOKUP) == [messages.Done(ok=True)]
+        assert seen == [LOOKUP]
+    finally:
+        big.close()
+        ctx.term()
+        client.close()
+        server.close()
+
+
 # -- who can reach the socket -------------------------------------------------------------
 def mode_of(path: str) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
@@ -289,22 +337,33 @@ def test_another_uid_gets_no_answer(rundir):
         server.wait()
 
 
-def test_socket_dir_falls_back_to_a_per_uid_temp_dir(rundir, monkeypatch):
+def test_socket_dir_prefers_runtime_dir_then_home_cache_then_a_per_uid_temp_dir(
+        rundir, tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    (home / ".cache").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert socket_dir() == os.path.join(rundir, "gemma4-kv")
     monkeypatch.delenv("XDG_RUNTIME_DIR")
-    monkeypatch.setattr(tempfile, "tempdir", rundir)
-    assert socket_dir() == os.path.join(rundir, f"gemma4-kv-{os.getuid()}")
-    os.chmod(rundir, 0o777)  # a runtime dir others may write is not used either
+    assert socket_dir() == str(home / ".cache" / "gemma4-kv")
+    os.chmod(home / ".cache", 0o777)  # a parent others may write is not used
+    assert socket_dir() == str(tmp_path / f"gemma4-kv-{os.getuid()}")
+    os.chmod(home / ".cache", 0o755)
+    monkeypatch.setenv("HOME", "/nonexistent/home")
+    assert socket_dir() == str(tmp_path / f"gemma4-kv-{os.getuid()}")
+    os.chmod(rundir, 0o777)  # neither is a runtime dir others may write
     monkeypatch.setenv("XDG_RUNTIME_DIR", rundir)
-    assert socket_dir() == os.path.join(rundir, f"gemma4-kv-{os.getuid()}")
+    assert socket_dir() == str(tmp_path / f"gemma4-kv-{os.getuid()}")
     os.chmod(rundir, 0o755)
+    for made in ("gemma4-kv", f"gemma4-kv-{os.getuid()}"):
+        assert stat.S_IMODE(os.stat(os.path.join(rundir if made == "gemma4-kv" else tmp_path,
+                                                 made)).st_mode) == 0o700
 
 
-@pytest.mark.parametrize("bad", ["symlink", "file", "group or other", "other owner"])
-def test_an_unsafe_socket_dir_is_refused(rundir, tmp_path, bad):
-    path = os.path.join(rundir, "gemma4-kv")
+def make_unsafe(path: str, bad: str, elsewhere: Path) -> None:
     if bad == "symlink":
-        os.mkdir(tmp_path / "elsewhere", 0o700)
-        os.symlink(tmp_path / "elsewhere", path)
+        os.mkdir(elsewhere, 0o700)
+        os.symlink(elsewhere, path)
     elif bad == "file":
         Path(path).write_text("")
     else:
@@ -314,10 +373,46 @@ def test_an_unsafe_socket_dir_is_refused(rundir, tmp_path, bad):
             if os.geteuid() != 0:
                 pytest.skip("needs root to give a directory to another uid")
             os.chown(path, 65534, 65534)
-    reason = {"symlink": "is a symlink", "file": "is not a directory",
-              "group or other": "has mode 0750", "other owner": "belongs to uid 65534"}[bad]
-    with pytest.raises(RuntimeError, match=reason):
+
+
+UNSAFE = ["symlink", "file", "group or other", "other owner"]
+REASON = {"symlink": "is a symlink", "file": "is not a directory",
+          "group or other": "has mode 0750", "other owner": "belongs to uid 65534"}
+
+
+@pytest.mark.parametrize("bad", UNSAFE)
+def test_an_unsafe_socket_dir_is_skipped_untouched_for_the_next_private_one(
+        rundir, tmp_path, monkeypatch, bad):
+    """What someone else may have made (another user pre-creating /tmp/gemma4-kv-<uid>
+    to stop our engine, say) is neither tightened nor used, and stops nothing."""
+    monkeypatch.setenv("HOME", "/nonexistent/home")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    taken = os.path.join(rundir, "gemma4-kv")
+    make_unsafe(taken, bad, tmp_path / "elsewhere")
+    before = os.lstat(taken)
+    fallback = str(tmp_path / f"gemma4-kv-{os.getuid()}")
+    assert socket_dir() == fallback
+    assert socket_address("e", 1, 0) == f"ipc://{fallback}/e-1-r0.sock"
+    after = os.lstat(taken)
+    assert (after.st_mode, after.st_uid, after.st_ino) == (
+        before.st_mode, before.st_uid, before.st_ino)
+
+
+@pytest.mark.parametrize("bad", UNSAFE)
+def test_when_every_socket_dir_is_unsafe_the_error_names_each_and_the_fix(
+        rundir, tmp_path, monkeypatch, bad):
+    monkeypatch.setenv("HOME", "/nonexistent/home")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    make_unsafe(os.path.join(rundir, "gemma4-kv"), bad, tmp_path / "elsewhere")
+    per_uid = str(tmp_path / f"gemma4-kv-{os.getuid()}")
+    os.mkdir(per_uid, 0o755)
+    os.chmod(per_uid, 0o755)  # as another user's pre-made one would be
+    with pytest.raises(RuntimeError) as err:
         socket_address("e", 1, 0)
+    text = str(err.value)
+    assert REASON[bad] in text and f"{rundir}/gemma4-kv" in text
+    assert f"{per_uid}: it has mode 0755" in text and "remove it" in text
+    assert stat.S_IMODE(os.stat(per_uid).st_mode) == 0o755  # not tightened
 
 
 def test_engine_ids_that_cannot_name_a_file_are_refused(rundir):
@@ -366,8 +461,14 @@ def test_a_dead_engines_socket_is_replaced(rundir):
 
 
 # -- the engine-core PID seen from a worker -----------------------------------------------
-def test_engine_core_pid_in_process_executors():
+def test_engine_core_pid_in_process_executors(monkeypatch):
     from vllm.config import ParallelConfig
+
+    # Building an external_launcher ParallelConfig sets VLLM_ENABLE_V1_MULTIPROCESSING=0
+    # in os.environ: undone after this test (monkeypatch), or every later engine this
+    # pytest process starts would run in-process (tests/conftest.py fails a test that
+    # leaves it changed).
+    monkeypatch.setenv(MP_ENV, os.environ.get(MP_ENV, "1"))
 
     def pid(**kw):
         return engine_core_pid(SimpleNamespace(parallel_config=ParallelConfig(**kw)))

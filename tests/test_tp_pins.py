@@ -140,3 +140,26 @@ def test_a_store_read_that_raises_on_one_rank_is_that_requests_miss_only(ranks, 
         service.done(service.take("r4"))
     for store in stores:
         assert locked(store, hashes) == set()
+
+
+def test_pinned_requests_are_capped_per_engine_and_a_lookup_beyond_misses(ranks, monkeypatch):
+    """A same-uid peer that pins and never loads holds at most MAX_PINNED requests'
+    objects; beyond that lookups miss, and a release makes room again."""
+    from gemma4_kv.lookup import service as service_module
+
+    stores, services, client = ranks
+    monkeypatch.setattr(service_module, "MAX_PINNED", 2)
+    gen = torch.Generator().manual_seed(3)
+    hashes = chunk_hashes(list(range(4 * CHUNK)), CHUNK)
+    for store in stores:
+        put(store, hashes, gen, ends=[(4 * CHUNK, HIGH)])
+    ask = lambda r: lookup_all_ranks(client, messages.Lookup(r, hashes, 0, 4 * CHUNK))  # noqa: E731
+    assert ask("p1") == (4 * CHUNK, 0) and ask("p2") == (4 * CHUNK, 0)
+    assert ask("p3") == (0, 0)
+    assert all(set(s._hits) == {"p1", "p2"} for s in services)
+    client.ask_all(messages.Release("p1"))
+    assert ask("p3") == (4 * CHUNK, 0)
+    for r in ("p2", "p3"):
+        client.ask_all(messages.Release(r))
+    for store in stores:
+        assert locked(store, hashes) == set()

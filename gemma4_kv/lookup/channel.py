@@ -31,6 +31,11 @@ logger = logging.getLogger(__name__)
 
 _REPLY_TYPES = typing.get_args(messages.Reply)
 _RID_BYTES = 8  # request id: the first frame after the peer identity, big-endian
+MAX_MESSAGE_BYTES = 16 << 20
+"""Larger ZMQ messages are refused by the socket itself (a Lookup of a 1M-token prompt
+carries 4096 keys, 132 KiB)."""
+WARN_EVERY_S = 10.0
+"""Dropped messages are logged at most this often (the rest counted in `dropped`)."""
 
 
 # -- server (worker side) -----------------------------------------------------------------
@@ -54,6 +59,8 @@ class LookupServer:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._warned_at, self._unlogged = -WARN_EVERY_S, 0
         try:
             try:  # a dead engine's socket: the lock says nobody serves it
                 os.unlink(self.path)
@@ -92,9 +99,15 @@ class LookupServer:
                 pass
         if msg is None:
             self.dropped += 1
-            logger.warning("gemma4-kv lookup %s: dropped a message that is not a lookup "
-                           "request (%d frames, %d bytes)", self.path, len(frames),
-                           sum(len(f) for f in frames[1:]))
+            now = time.monotonic()
+            if now - self._warned_at >= WARN_EVERY_S:
+                logger.warning("gemma4-kv lookup %s: dropped a message that is not a lookup "
+                               "request (%d frames, %d bytes; %d more since the last "
+                               "warning)", self.path, len(frames),
+                               sum(len(f) for f in frames[1:]), self._unlogged)
+                self._warned_at, self._unlogged = now, 0
+            else:
+                self._unlogged += 1
             return None
         try:
             reply = self._handle(msg)
@@ -157,6 +170,7 @@ class LookupClient:
         for address in self.addresses:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             s.connect(address)
             self._socks.append(s)
         self._rank = {s: r for r, s in enumerate(self._socks)}

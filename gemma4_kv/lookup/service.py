@@ -24,6 +24,11 @@ from . import messages
 
 logger = logging.getLogger(__name__)
 
+MAX_PINNED = 4096
+"""Requests that may hold a pinned hit at once: a lookup beyond it is a miss (vLLM
+loads or releases every hit within a step or two, so this bounds only a peer that pins
+and never loads)."""
+
 
 @dataclass
 class Hit:
@@ -191,6 +196,12 @@ class LookupService:
 
     def _pin(self, req_id: str, chain: list[bytes], start: int, hit: int,
              loaded: set) -> Hit | None:
+        with self._lock:
+            full = len(self._hits) >= MAX_PINNED
+        if full:
+            logger.warning("gemma4-kv: %d requests hold pinned hits: request %s misses",
+                           MAX_PINNED, req_id)
+            return None
         pinned = self.store.pin(chain, start, hit, req_id)
         if pinned is None:
             return None

@@ -20,23 +20,36 @@ _SUN_PATH_MAX = 107  # bytes of a Unix socket path (sun_path is 108 with the NUL
 def socket_dir() -> str:
     """This user's private directory for lookup sockets, created 0700 if missing.
 
-    `$XDG_RUNTIME_DIR/gemma4-kv` when the runtime dir is ours and not writable by
-    others, else `{tempdir}/gemma4-kv-{uid}`. An existing directory that others could
-    enter or that is not plainly ours is refused rather than tightened: we did not make
-    it that way, so someone else may have put files in it."""
+    The first of `$XDG_RUNTIME_DIR/gemma4-kv`, `$HOME/.cache/gemma4-kv` (each only where
+    its parent is ours and not writable by others, so nobody else can have made it) and
+    `{tempdir}/gemma4-kv-{uid}` that is ours with mode 0700, or can be made so. An
+    existing directory that others could enter or that is not plainly ours is never
+    tightened or used (someone else may have put files in it): the next one is taken,
+    so another user who creates `/tmp/gemma4-kv-<uid>` first cannot stop the engine."""
     uid = os.getuid()
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and _owned_dir(runtime, uid, 0o022):
-        path = os.path.join(runtime, "gemma4-kv")
-    else:
-        path = os.path.join(tempfile.gettempdir(), f"gemma4-kv-{uid}")
-    try:
-        os.mkdir(path, 0o700)
-        os.chmod(path, 0o700)  # a umask may have taken owner bits away
-    except FileExistsError:
-        pass
-    check_private_dir(path)
-    return path
+    candidates = []
+    for parent, name in ((os.environ.get("XDG_RUNTIME_DIR"), "gemma4-kv"),
+                         (os.path.join(os.path.expanduser("~"), ".cache"), "gemma4-kv")):
+        if parent and _owned_dir(parent, uid, 0o022):
+            candidates.append(os.path.join(parent, name))
+    candidates.append(os.path.join(tempfile.gettempdir(), f"gemma4-kv-{uid}"))
+    problems = []
+    for path in candidates:
+        try:
+            os.mkdir(path, 0o700)
+            os.chmod(path, 0o700)  # a umask may have taken owner bits away
+        except FileExistsError:
+            pass
+        except OSError as e:
+            problems.append(f"{path}: {e.strerror}")
+            continue
+        try:
+            check_private_dir(path)
+            return path
+        except RuntimeError as e:
+            problems.append(str(e))
+    raise RuntimeError("gemma4-kv: no private directory for the lookup sockets: "
+                       + "; ".join(problems))
 
 
 def _owned_dir(path: str, uid: int, forbidden: int) -> bool:
