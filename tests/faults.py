@@ -119,7 +119,7 @@ def snapshot(worker, disk: str | None = None) -> dict:
     used, total = store.usage()
     me = psutil.Process()
     out = {
-        "pid": os.getpid(),
+        "pid": os.getpid(), **_lineage(me),
         "rss": me.memory_info().rss,
         "parent_rss": me.parent().memory_info().rss,  # vLLM's engine core (the scheduler)
         "l1_used": used, "l1_total": total,
@@ -131,6 +131,7 @@ def snapshot(worker, disk: str | None = None) -> dict:
         "reserved": len(set(store.capacity.tracked()) - store.capacity._stored),
         "inflight": len(store._inflight),
         "untrusted": sum(store._maybe_untrusted.values()), "bad": len(store._bad),
+        "hung": len(store._hung), "unverified": len(store._unverified),
         "hits": len(lookups._hits), "pending": len(lookups._pending),
         "saves_pending": len(w.saves),
         "counters": dict(_totals),
@@ -147,8 +148,19 @@ def rss(worker) -> dict:
     import psutil
 
     me = psutil.Process()
-    return {"rss": me.memory_info().rss, "parent_rss": me.parent().memory_info().rss,
-            "parent": me.parent().name()}
+    return {"pid": os.getpid(), **_lineage(me), "rss": me.memory_info().rss,
+            "parent_rss": me.parent().memory_info().rss}
+
+
+def _lineage(me) -> dict:
+    """Where this worker runs: the PIDs above it (its parent first, three at most) and its
+    parent's name. With vLLM's multiprocessing on (the CPU build: mp executor), the
+    parent is the engine core, whose parent is the front-end (the harness); with
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 all three are one process, the harness."""
+    ancestors, p = [], me
+    while len(ancestors) < 3 and (p := p.parent()) is not None:
+        ancestors.append(p.pid)
+    return {"ancestors": ancestors, "parent": me.parent().name()}
 
 
 def drop_l1(worker, timeout: float = 30.0) -> dict:
@@ -173,15 +185,18 @@ def drop_l1(worker, timeout: float = 30.0) -> dict:
 def wait_l2(worker, disk: str | None = None, port: int | None = None,
             timeout: float = 60.0) -> int:
     """Wait until LMCache has written every CPU-tier object to the L2 tier (its stores are
-    asynchronous): the disk tier's files, or a Redis-protocol server's keys on `port`;
-    how many there are."""
+    asynchronous): the disk tier's files, or a Redis-protocol server's keys on `port`,
+    and no write holds a read lock any more (an object stored again writes a file that
+    exists already: counting files cannot tell that write is done); how many there are.
+    Call it with no request in flight (then only L2 writes hold read locks)."""
     store = _worker().store
     deadline = time.monotonic() + timeout
     while True:
-        want = store.tier.status()["total_object_count"]
+        status = store.tier.status()
         have = _server_keys(port) if port else len(
             [p for p in Path(disk).rglob("*") if p.is_file() and p.stat().st_size > 0])
-        if have >= want or time.monotonic() > deadline:
+        if (have >= status["total_object_count"] and status["read_locked_count"] == 0) \
+                or time.monotonic() > deadline:
             time.sleep(0.3)  # let the last writes close their files
             return have
         time.sleep(0.05)
@@ -364,13 +379,15 @@ def _arm_pin_fails(w, state):
 
 # LMCache's read of read-locked objects raises (after the pin took its locks)
 def _arm_read_raises(w, state):
+    """LMCache's read raises once: the first read of at least `min_keys` objects (a pin
+    reads a hit's objects in one call; verifying what came up from L2 reads one)."""
     sm = _lmcache(w.store)
 
     def make(original):
-        def unsafe_read(*a, **kw):
-            if _one_shot(state):
+        def unsafe_read(keys, *a, **kw):
+            if len(keys) >= state.get("min_keys", 1) and _one_shot(state):
                 raise RuntimeError("faults: injected CPU-tier read failure")
-            return original(*a, **kw)
+            return original(keys, *a, **kw)
         return unsafe_read
     _patch(state, sm, "unsafe_read", make)
 

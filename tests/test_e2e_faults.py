@@ -4,10 +4,14 @@ One connector engine goes through a script of faults, each its own case, injecte
 the running engine (tests/faults.py through collective_rpc) or into its disk tier
 (LMCache `fs_native` under LMCache's `fault_inject` adapter); a second one has a real
 Valkey/Redis server as its tier and the server is frozen mid-run. One recomputation
-engine (no connector) answers the same prompts. For every case: every request is
+engine (no connector, tests/tiny_reference.py) answers the same prompts. For every case: every request is
 answered, its tokens are those of recomputation, and the cached counts (or what the
 fault recorded) show that the fault was on the request's path. Time bounds are
 measured inside vLLM's scheduler (`faults.FaultsConnector`), TTFT bounds are looser.
+
+The three engines start side by side (tests/conftest.py `engine_pool`, `start_engines`)
+and wait at their gates; then each runs its steps alone, one after the other, with no
+other engine running.
 """
 
 from __future__ import annotations
@@ -17,14 +21,18 @@ import random
 
 import pytest
 
-from e2e_common import run_harness
+from needs import require
+
+from e2e_common import Harness
 from gemma4_kv.tools.harness import save_config, tiny_gemma4_config
 from gemma4_kv.connector.scheduler import RANK_TIMEOUT_S
 
-pytest.importorskip("vllm")
+require("vllm")
 pytestmark = pytest.mark.vllm
 
 import faults  # noqa: E402  (tests/faults.py: the worker side of the faults)
+import tiny_reference  # noqa: E402
+from tiny_reference import REFERENCE, want  # noqa: E402
 
 CHUNK = 256
 RETENTION = 512  # sliding-window chunks kept before hits ending at 512 and 1024
@@ -73,9 +81,12 @@ class Script:
 
 
 DOCS = documents()
+want(DOCS.values())  # first: the reference engine answers these as the first prompts
+assert (ENGINE, MAX_TOKENS) == (tiny_reference.ENGINE, tiny_reference.MAX_TOKENS)
 
 
-def run(tmp_path, name, model, steps, *, connector, extra=None, connector_class=None):
+def start(tmp_path, name, model, steps, *, connector, extra=None, connector_class=None):
+    """The engine over `steps`, started; it waits at its gate (see `finish`)."""
     clean = [{k: v for k, v in s.items() if k != "names"} for s in steps]
     spec = {"model": model, "connector": connector, "max_tokens": MAX_TOKENS,
             "engine": ENGINE, "steps": clean,
@@ -83,7 +94,14 @@ def run(tmp_path, name, model, steps, *, connector, extra=None, connector_class=
     if connector_class:
         spec.update(connector_class=connector_class, connector_module="faults")
     sched_log = tmp_path / f"{name}.scheduler.jsonl"
-    out, _ = run_harness(tmp_path, name, spec, env={faults.SCHEDULER_LOG: str(sched_log)})
+    return Harness(tmp_path, name, spec, env={faults.SCHEDULER_LOG: str(sched_log)},
+                   gate=True), sched_log
+
+
+def finish(started) -> tuple[dict, dict]:
+    """Let a started engine run its steps; (its output, its lookups per request)."""
+    harness, sched_log = started
+    out, _ = harness.open().result()
     lookups = {}
     for line in sched_log.read_text().splitlines() if sched_log.exists() else ():
         e = json.loads(line)
@@ -123,7 +141,7 @@ def fault_script(disk: str) -> Script:
     s.prompts("pin_fails", "D")
     s.unfault("pin_fails", "pin_fails")
     # -- LMCache's read raises after the pin took its read locks ------------------------
-    s.fault("read_raises", "read_raises")
+    s.fault("read_raises", "read_raises", min_keys=2)  # the pin's read, not a verification
     s.prompts("read_raises", "D")
     s.call("read_raises:l2", "wait_l2", disk=disk)  # LMCache's disk writes hold read locks
     s.call("read_raises:snap", "snapshot")
@@ -160,30 +178,79 @@ def fault_script(disk: str) -> Script:
     return s
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return save_config(tiny_gemma4_config(window=100), tmp_path_factory.mktemp("model"))
+FROZEN_TEST = "test_frozen_valkey_server_bounded_ttft_no_hit_then_serves_again"
+
+
+class Engines:
+    """The reference engine, the faults engine and (for the frozen-server test) the one
+    on a real Valkey/Redis server, started side by side; each waits at its gate."""
+
+    def __init__(self, tmp_path_factory, selected):
+        self.server = self.faults = self.frozen = None
+        try:
+            model = save_config(tiny_gemma4_config(window=100),
+                                tmp_path_factory.mktemp("model"))
+            REFERENCE.start(tmp_path_factory)
+            if selected - {FROZEN_TEST}:
+                tmp = tmp_path_factory.mktemp("faults")
+                disk = str(tmp / "disk")
+                self.script = fault_script(disk)
+                extra = {"lookup_timeout_s": LOOKUP_TIMEOUT, "l2_adapters": [
+                    {"type": "fault_inject", "rate": 0.0,
+                     "inner": {"type": "fs_native", "base_path": disk, "num_workers": 2}}]}
+                self.faults = start(tmp, "faults", model, self.script.steps, connector=True,
+                                    extra=extra, connector_class="FaultsConnector")
+            if FROZEN_TEST in selected:
+                from tier_servers import TierServer, require_server
+
+                tmp = tmp_path_factory.mktemp("frozen")
+                self.server = TierServer(require_server(), workdir=tmp / "server").start()
+                self.frozen_script = frozen_script(self.server.proc.pid, self.server.port)
+                extra = {"lookup_timeout_s": LOOKUP_TIMEOUT, "l2_adapters": [
+                    self.server.valkey_spec(request_timeout=VALKEY_TIMEOUT,
+                                            connection_timeout=1.0)]}
+                self.frozen = start(tmp, "frozen", model, self.frozen_script.steps,
+                                    connector=True, extra=extra,
+                                    connector_class="FaultsConnector")
+            REFERENCE.ready()
+            for started in (self.faults, self.frozen):
+                if started:
+                    started[0].wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self):
+        for started in (self.faults, self.frozen):
+            if started:
+                started[0].kill()
+        if self.server:
+            self.server.kill()
+
+
+def start_engines(tmp_path_factory, selected):
+    return Engines(tmp_path_factory, selected)
 
 
 @pytest.fixture(scope="module")
-def reference(model, tmp_path_factory):
+def engines(engine_pool):
+    """The engines, up; no other engine runs from here on (the pool is drained)."""
+    state = engine_pool.result((__name__, "start"))
+    engine_pool.drain()
+    return state
+
+
+@pytest.fixture(scope="module")
+def reference(engines):
     """Every document once, recomputed (no connector): {name: (tokens, TTFT)}."""
-    tmp = tmp_path_factory.mktemp("base")
-    base, _ = run(tmp, "base", model, [{"prompts": list(DOCS.values())}], connector=False)
-    return dict(zip(DOCS, (zip(base["outputs"], base["ttft"]))))
+    ref = REFERENCE.run()
+    return {name: ref[tuple(doc)] for name, doc in DOCS.items()}
 
 
 @pytest.fixture(scope="module")
-def runs(model, reference, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("faults")
-    disk = str(tmp / "disk")
-    script = fault_script(disk)
-    extra = {"lookup_timeout_s": LOOKUP_TIMEOUT, "l2_adapters": [
-        {"type": "fault_inject", "rate": 0.0,
-         "inner": {"type": "fs_native", "base_path": disk, "num_workers": 2}}]}
-    out, lookups = run(tmp, "faults", model, script.steps, connector=True, extra=extra,
-                       connector_class="FaultsConnector")
-    return script, out, reference, lookups
+def runs(engines, reference):
+    out, lookups = finish(engines.faults)
+    return engines.script, out, reference, lookups
 
 
 def step(runs, label):
@@ -360,6 +427,7 @@ def test_no_pin_reservation_or_prefetch_outlives_the_faults(runs):
     assert snap["read_locked"] == 0 and snap["write_locked"] == 0 and snap["staging"] == 0
     assert snap["reserved"] == 0 and snap["hits"] == 0 and snap["pending"] == 0
     assert snap["saves_pending"] == 0 and snap["inflight"] == 0 and snap["untrusted"] == 0
+    assert snap["hung"] == 0 and snap["unverified"] == 0  # no L2 prefetch was given up
     assert snap["tracked"] == snap["objects"]
     assert snap["bad"] <= snap["counters"]["rejected_objects"]
 
@@ -388,21 +456,14 @@ def frozen_script(pid: int, port: int) -> Script:
 
 
 @pytest.fixture(scope="module")
-def frozen(model, reference, tmp_path_factory):
-    from tier_servers import TierServer, require_server
-
-    tmp = tmp_path_factory.mktemp("frozen")
-    server = TierServer(require_server(), workdir=tmp / "server").start()
+def frozen(engines, reference):
+    server = engines.server
     try:
-        script = frozen_script(server.proc.pid, server.port)
-        extra = {"lookup_timeout_s": LOOKUP_TIMEOUT, "l2_adapters": [server.valkey_spec(
-            request_timeout=VALKEY_TIMEOUT, connection_timeout=1.0)]}
-        out, lookups = run(tmp, "frozen", model, script.steps, connector=True, extra=extra,
-                           connector_class="FaultsConnector")
+        out, lookups = finish(engines.frozen)
         keys = len(server.keys())
     finally:
         server.kill()
-    return script, out, reference, lookups, keys
+    return engines.frozen_script, out, reference, lookups, keys
 
 
 def test_frozen_valkey_server_bounded_ttft_no_hit_then_serves_again(frozen):

@@ -287,6 +287,139 @@ def test_damaged_disk_objects_are_misses_and_dropped(tmp_path, damage):
         s.close()
 
 
+def hang_l2(s):
+    """The disk tier stops answering (a stuck mount): LMCache's lookup of a prefetch
+    gets no answer until `release()`. Reaches into LMCache's real adapter, as the
+    engine faults of tests/faults.py do."""
+    adapter = s.tier._sm.l2_adapters()[0][1]
+    adapter = getattr(adapter, "_inner", adapter)
+    original = adapter.query_lookup_and_lock_result
+    state = {"held": True, "asked": 0}
+
+    def query(task_id):
+        state["asked"] += 1
+        return None if state["held"] else original(task_id)
+
+    adapter.query_lookup_and_lock_result = query
+
+    def release():
+        state["held"] = False
+        adapter._lookup_efd.notify()
+    return state, release
+
+
+def pin_exact_then_unlocked(s, chain, data, prefetch=None):
+    """The whole chain pins bit-exact to what was stored, and once released and deleted
+    nothing of it stays in L1 (no read lock was left behind)."""
+    pinned = s.pin(chain, 0, len(chain) * CHUNK)
+    if prefetch is not None:
+        s.finish_prefetch(prefetch)
+    for k, view in pinned.views.items():
+        assert torch.equal(bits(view), bits(data[k]))
+    s.release(pinned)
+    s.delete([(h, g) for h in chain for g in GROUPS])
+    assert s.resident(chain) == {0: set(), 1: set()}
+
+
+def hung_prefetch(s, tmp_path, monkeypatch, damaged=False):
+    """Chunk 0 in L1, chunk 1 only on disk, the disk stops answering, and a prefetch of
+    both: (chain, stored data, release of the disk), once the prefetch was given up."""
+    from gemma4_kv.stores import embedded_l2
+
+    monkeypatch.setattr(embedded_l2, "L2_TASK_LIMIT_S", 0.5)
+    gen = torch.Generator().manual_seed(12)
+    chain = chunk_hashes(list(range(2 * CHUNK)), CHUNK)
+    data = put(s, chain, gen, ends=[(2 * CHUNK, HIGH), (CHUNK, LOW)])
+    wait_for(lambda: stored_on_disk(tmp_path, 4))
+    evict(s, chain[1:])
+    assert s.resident(chain) == {0: {0}, 1: {0}}  # chunk 0 serves a hit of its own
+    if damaged:
+        victim = disk_file(tmp_path, chain[1], 0)
+        raw = bytearray(victim.read_bytes())
+        raw[len(raw) // 2] ^= 0x80
+        victim.write_bytes(bytes(raw))
+    state, release = hang_l2(s)
+    p = s.start_prefetch(chain, 0, 2 * CHUNK)
+    s.poll()
+    assert not p.finished
+    wait_for(lambda: (s.poll(), p.finished)[1])
+    assert state["asked"] >= 1 and p.loaded == set() and len(s._hung) == 1
+    return chain, data, release
+
+
+def test_a_hung_l2_prefetch_is_given_up_and_blocks_no_fresh_copy(tmp_path, monkeypatch):
+    """While the disk hangs, a save of chunk 1 is offered at once (it used to be held
+    back, as possibly coming up unverified, for as long as the prefetch did not answer);
+    once the disk answers, the prefetch's locks go and nothing stays locked."""
+    s = disk_store(tmp_path)
+    try:
+        chain, _, release = hung_prefetch(s, tmp_path, monkeypatch)
+        fresh = put(s, chain[1:], torch.Generator().manual_seed(13))
+        assert s.resident(chain) == {0: {0, 1}, 1: {0, 1}}
+        pinned = s.pin(chain, CHUNK, 2 * CHUNK)
+        for (h, g), view in pinned.views.items():
+            assert torch.equal(bits(view), bits(fresh[(h, g)]))
+        s.release(pinned)
+        release()
+        wait_for(lambda: (s.poll(), not s._hung)[1])
+        s.delete([(h, g) for h in chain for g in GROUPS])
+        assert s.resident(chain) == {0: set(), 1: set()}  # no lock left behind
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_what_a_given_up_prefetch_brings_up_late_is_verified_before_it_is_offered(
+        tmp_path, monkeypatch, damaged):
+    """The disk answers after the prefetch was given up: chunk 1 lands in L1 with nobody
+    verifying it as it lands. It is offered once verified (bit-exact), or dropped from
+    every tier if its file was damaged."""
+    s = disk_store(tmp_path)
+    try:
+        chain, data, release = hung_prefetch(s, tmp_path, monkeypatch, damaged)
+        release()
+        wait_for(lambda: (s.poll(), not s._hung)[1])
+        if damaged:
+            assert s.resident(chain) == {0: {0}, 1: {0, 1}}
+            assert s.key(chain[1], 0) in s._bad
+        else:
+            assert s.resident(chain) == {0: {0, 1}, 1: {0, 1}}
+            pin_exact_then_unlocked(s, chain, data)
+    finally:
+        s.close()
+
+
+def test_a_verification_read_that_raises_leaks_no_lock_and_offers_nothing_unverified(
+        tmp_path):
+    """LMCache's read of an object that came up from disk raises once, as the prefetch
+    settles: nothing stays locked, the object is not counted as loaded, and it is
+    offered (bit-exact) only once a later read verified it."""
+    s = disk_store(tmp_path)
+    try:
+        gen = torch.Generator().manual_seed(14)
+        chain = chunk_hashes(list(range(2 * CHUNK)), CHUNK)
+        data = put(s, chain, gen)
+        wait_for(lambda: stored_on_disk(tmp_path, 4))
+        evict(s, chain)
+        sm, fired = s.tier._sm, []
+        original = sm.unsafe_read
+
+        def unsafe_read(*a, **kw):
+            if not fired:
+                fired.append(1)
+                raise RuntimeError("injected: the CPU tier's read failed")
+            return original(*a, **kw)
+
+        sm.unsafe_read = unsafe_read
+        p = prefetched(s, chain)
+        assert fired and p.rejected == 0 and len(p.loaded) == 3  # one read failed
+        # verified when next asked for (the prefetch's own second look may do it first)
+        assert s.resident(chain) == {0: {0, 1}, 1: {0, 1}} and not s._unverified
+        pin_exact_then_unlocked(s, chain, data, prefetch=p)
+    finally:
+        s.close()
+
+
 def test_object_of_unexpected_shape_is_never_read(store):
     """Same key, other geometry (as if the fingerprint had collided): a miss, not a load."""
     gen = torch.Generator().manual_seed(8)

@@ -32,6 +32,7 @@ COUNTERS = {
     "hit_tokens": ("Tokens of the hits pinned for vLLM", None),
     "hit_tokens_l2": ("Hit tokens brought up from an L2 tier", None),
     "rejected_objects": ("Objects from an L2 tier that failed verification", None),
+    "hung_l2_prefetches": ("L2 prefetches given up unanswered (their locks released)", None),
     "evicted_objects": ("Objects the CPU tier deleted to make room or as unservable", None),
     # in microseconds: vLLM's LLM.get_metrics() reads counters as integers
     "scheduler_us": ("Host time of the scheduler half in vLLM's calls, microseconds", None),

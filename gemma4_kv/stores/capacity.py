@@ -33,17 +33,16 @@ different threads.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+from .base import HIGH, LOW
+from .ranking import Ranking
 
 ObjKey = tuple[bytes, int]
 """(chunk hash, group id) of one stored object."""
 EndKey = tuple[bytes, int]
 """(hash of the chunk holding the end's last token, end token count)."""
-
-LOW, HIGH = 0, 1
-SEGMENTS = ("low", "window", "probation", "protected")
 
 
 @dataclass(frozen=True)
@@ -75,8 +74,6 @@ class Capacity:
     def __init__(self, limit: int, *, window_share: float = 0.05,
                  protected_share: float = 0.8, min_sample: int = 1024):
         self.limit = limit
-        self.window_share, self.protected_share = window_share, protected_share
-        self.min_sample = min_sample
         self._lock = threading.RLock()
         self._ends: dict[EndKey, _End] = {}
         self._users: dict[ObjKey, set[EndKey]] = {}  # ends (pending or live) needing it
@@ -84,22 +81,19 @@ class Capacity:
         self._stored: set[ObjKey] = set()  # written
         self._garbage: set[ObjKey] = set()  # in the tier, needed by no end: to delete
         self._requests: dict[str, set[EndKey]] = {}  # ends each saving request planned
-        self._segments: dict[str, OrderedDict] = {s: OrderedDict() for s in SEGMENTS}
-        self._where: dict[EndKey, str] = {}
         self._at: dict[bytes, set[EndKey]] = {}  # ends by the hash of their last chunk
-        self._freq: dict[EndKey, int] = {}
-        self._counted = 0
-        self._asked: OrderedDict = OrderedDict()  # (request, end) already counted by a hit
+        self._rank = Ranking(self._ends, lambda: self.limit, window_share=window_share,
+                             protected_share=protected_share, min_sample=min_sample)
         self.used = 0
 
     # -- what is stored ---------------------------------------------------------------
     def live_ends(self) -> dict[EndKey, str]:
         """Live ends and the segment each is in (tests, stats)."""
         with self._lock:
-            return dict(self._where)
+            return dict(self._rank.where)
 
     def frequency(self, key: EndKey) -> int:
-        return self._freq.get(key, 0)
+        return self._rank.frequency(key)
 
     # -- saves ------------------------------------------------------------------------
     def plan(self, req_id: str, ends: Sequence[EndSpec], sizes: dict[ObjKey, int]) -> None:
@@ -115,7 +109,7 @@ class Capacity:
                     continue
                 seen.add(spec.key)
                 if spec.cls == HIGH:
-                    self._count(spec.key)
+                    self._rank.count(spec.key)
                 end = self._ends.get(spec.key)
                 if end is not None:
                     if spec.cls == HIGH and end.cls == LOW:
@@ -126,8 +120,8 @@ class Capacity:
                 new = sum(sizes.get(c, 0) for c in set(spec.cells)
                           if c not in self._objects and not self._users.get(c))
                 short = planned + new - (self.limit - self.used)
-                if short > 0 and self._victims(short, spec.cls, self.frequency(spec.key),
-                                               new) is None:
+                if short > 0 and self._rank.victims(short, spec.cls, self.frequency(spec.key),
+                                                    new, self._alone) is None:
                     continue
                 planned += new
                 self._add(_End(spec.key, spec.cls, frozenset(spec.cells), {req_id}))
@@ -159,8 +153,8 @@ class Capacity:
                 short = need - (self.limit - self.used - sum(sizes[k] for k in granted))
                 ends = [e for e in mine if e.cls == cls] if cls == LOW else mine
                 best = max(ends, key=lambda e: (e.cls, self.frequency(e.key)), default=None)
-                victims = [] if short <= 0 else None if best is None else self._victims(
-                    short, best.cls, self.frequency(best.key), need)
+                victims = [] if short <= 0 else None if best is None else self._rank.victims(
+                    short, best.cls, self.frequency(best.key), need, self._alone)
                 if victims is None:
                     for end in (mine if cls == HIGH else ends):
                         if end.key in self._ends:
@@ -171,7 +165,7 @@ class Capacity:
                 for end in victims:
                     self._evict(end)
                 granted += keys
-            self._balance_window()
+            self._rank.balance_window()
             return granted, self._take_garbage()
 
     def reserved(self, sizes: dict[ObjKey, int]) -> None:
@@ -242,12 +236,7 @@ class Capacity:
         in the tier), a hit no live end names (brought up from another tier, or left by
         other ends) becomes a live HIGH end."""
         with self._lock:
-            if (req_id, spec.key) not in self._asked:
-                self._count(spec.key)
-                if req_id:
-                    self._asked[(req_id, spec.key)] = None
-                    while len(self._asked) > 8192:
-                        self._asked.popitem(last=False)
+            self._rank.count(spec.key, req_id)
             end = self._ends.get(spec.key)
             if end is None or not end.live:
                 if not create:
@@ -266,7 +255,7 @@ class Capacity:
                 end.shared = self._has_longer(end)
                 self._promote(end)
             else:
-                self._touch(end)
+                self._rank.touch(end)
 
     def unpinned(self, key: EndKey) -> None:
         with self._lock:
@@ -286,7 +275,8 @@ class Capacity:
             short = nbytes - (self.limit - self.used)
             if short <= 0:
                 return True, self._take_garbage()
-            victims = self._victims(short, HIGH, self.frequency(asked) + 1, nbytes)
+            victims = self._rank.victims(short, HIGH, self.frequency(asked) + 1, nbytes,
+                                         self._alone)
             for end in victims or ():
                 self._evict(end)
             return victims is not None, self._take_garbage()
@@ -320,72 +310,11 @@ class Capacity:
     def clear(self) -> None:
         """Forget everything (the tier was emptied)."""
         with self._lock:
-            self.__init__(self.limit, window_share=self.window_share,
-                          protected_share=self.protected_share, min_sample=self.min_sample)
+            self.__init__(self.limit, window_share=self._rank.window_share,
+                          protected_share=self._rank.protected_share,
+                          min_sample=self._rank.min_sample)
 
     # -- policy -----------------------------------------------------------------------
-    def _count(self, key: EndKey) -> None:
-        self._freq[key] = self._freq.get(key, 0) + 1
-        self._counted += 1
-        if self._counted >= max(self.min_sample, 10 * len(self._where)):
-            self._freq = {k: f // 2 for k, f in self._freq.items() if f > 1}
-            self._counted //= 2
-
-    def _victims(self, short: int, cls: int, freq: int, size: int) -> list[_End] | None:
-        """Ends to evict, in order, so that `short` more bytes fit for a new end of
-        class `cls`, asked for `freq` times, of `size` bytes; None if not possible.
-
-        LOW ends go first (least recent first); a LOW end may take nothing else. A HIGH
-        end that fits the window enters it: the window's oldest ends leave, each either
-        displacing the least recent main end asked for less often than itself, or
-        evicted if there is none. Beyond that (or for an end too large for the window),
-        main ends asked for less often than the new end go, least recent first,
-        probation before protected. Pinned ends are never taken."""
-        taken: list[_End] = []
-        out = set()
-        freed, released = 0, {}
-
-        def take(end: _End) -> None:
-            nonlocal freed
-            taken.append(end)
-            out.add(end.key)
-            freed += self._alone(end, released)
-
-        def main_victim(below: int) -> _End | None:
-            for segment in ("probation", "protected"):
-                for key in self._segments[segment]:
-                    end = self._ends[key]
-                    if key not in out and not end.pins and self.frequency(key) < below:
-                        return end
-            return None
-
-        for key in self._segments["low"]:
-            if freed >= short:
-                return taken
-            if not self._ends[key].pins:
-                take(self._ends[key])
-        if freed >= short:
-            return taken
-        if cls == LOW:
-            return None
-        cap = self.window_share * self.limit
-        if size <= cap:
-            window = self._segments["window"]
-            held = size + sum(self._ends[k].size for k in window)
-            for key in list(window):  # oldest first
-                if freed >= short or held <= cap:
-                    break
-                w = self._ends[key]
-                held -= w.size
-                if not w.pins:
-                    take(main_victim(self.frequency(key)) or w)
-        while freed < short:
-            end = main_victim(freq)
-            if end is None:
-                return None
-            take(end)
-        return taken
-
     def _alone(self, end: _End, released: dict) -> int:
         """Bytes evicting `end` frees, after the ends already counted in `released`."""
         n = 0
@@ -405,16 +334,15 @@ class Capacity:
     def _go_live(self, end: _End) -> None:
         end.live, end.owners = True, set()
         end.size = self._alone(end, {})
+        self._rank.enter(end)
         if end.cls == LOW:
-            self._place(end, "low")
             return
-        self._enter(end)
         for h in {h for h, _ in end.cells} - {end.key[0]}:
             for key in self._at.get(h, ()):
                 older = self._ends[key]
                 if older.live and older.cls == HIGH and not older.shared:
                     older.cls = LOW  # superseded: a longer stored end passes through it
-                    self._place(older, "low")
+                    self._rank.enter(older)
 
     def _has_longer(self, end: _End) -> bool:
         """Whether a live end needs one of this end's last-chunk objects and goes further."""
@@ -423,53 +351,13 @@ class Capacity:
                    for c in end.cells if c[0] == h
                    for other in (self._ends[k] for k in self._users.get(c, ())))
 
-    def _enter(self, end: _End) -> None:
-        """A HIGH end joins: the window if it fits there, else main's probation."""
-        self._place(end, "window" if end.size <= self.window_share * self.limit
-                    else "probation")
-        self._balance_window()
-
     def _promote(self, end: _End) -> None:
         end.cls = HIGH
         if end.live:
-            self._enter(end)
-
-    def _touch(self, end: _End) -> None:
-        where = self._where.get(end.key)
-        if where == "probation":
-            self._place(end, "protected")
-            self._balance_protected()
-        elif where is not None:
-            self._segments[where].move_to_end(end.key)
-
-    def _balance_window(self) -> None:
-        """Move the window's oldest ends on to main's probation while it holds more than
-        its share (eviction made room for them already, see `_victims`)."""
-        self._overflow("window", self.window_share * self.limit)
-
-    def _balance_protected(self) -> None:
-        self._overflow("protected", self.protected_share * (1 - self.window_share)
-                       * self.limit)
-
-    def _overflow(self, segment: str, cap: float) -> None:
-        ends = self._segments[segment]
-        total = sum(self._ends[k].size for k in ends)
-        while total > cap and len(ends) > 1:
-            end = self._ends[next(iter(ends))]
-            total -= end.size
-            self._place(end, "probation")
-
-    def _place(self, end: _End, segment: str) -> None:
-        old = self._where.get(end.key)
-        if old is not None:
-            del self._segments[old][end.key]
-        self._segments[segment][end.key] = None
-        self._where[end.key] = segment
+            self._rank.enter(end)
 
     def _evict(self, end: _End) -> None:
-        where = self._where.pop(end.key, None)
-        if where is not None:
-            del self._segments[where][end.key]
+        self._rank.remove(end.key)
         self._ends.pop(end.key, None)
         at = self._at.get(end.key[0])
         if at is not None:

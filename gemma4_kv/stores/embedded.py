@@ -10,7 +10,7 @@ What L1 keeps is decided here, not by LMCache's LRU: `capacity.Capacity` admits 
 evicts whole servable hits, and objects no hit can use are deleted at once.
 
 What may fail is done before a hit is offered, never during its load:
-- an L2 lookup is an LMCache prefetch (`start_prefetch` / `poll`); what it brings up is
+- an L2 lookup is an LMCache prefetch (`embedded_l2.L2Reads`); what it brings up is
   verified against its trailer as it lands, and a bad object is dropped and never
   offered again by this process;
 - a hit is served only from objects pinned in L1 (`pin`), checked at pin time.
@@ -19,7 +19,6 @@ What may fail is done before a hit is offered, never during its load:
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
@@ -30,8 +29,9 @@ import torch
 from ..layout.groups import AttentionKind, KVLayout
 from ..layout.plan import hit_chunks, window_chunks
 from . import integrity
-from .base import ChunkKey, ChunkStore, ChunkWrite, Pinned, Prefetch, Reservation
+from .base import ChunkKey, ChunkStore, ChunkWrite, Pinned, Reservation
 from .capacity import Capacity, EndSpec
+from .embedded_l2 import L2Reads
 from .lmcache import StorageLayer
 
 logger = logging.getLogger(__name__)
@@ -60,36 +60,12 @@ class StoreConfig:
 
 
 @dataclass
-class _Prefetch(Prefetch):
-    """LMCache prefetch tasks of one lookup, and what they hold until they settle."""
-
-    chain: tuple[bytes, ...] = ()
-    start: int = 0
-    limit: int = 0
-    tasks: list = field(default_factory=list)  # (handle, rows of (gid, hashes, keys))
-    results: list = field(default_factory=list)
-    held: list = field(default_factory=list)
-    """Its keys that were in L1 when it started, read-locked until it settles: they stay
-    offered meanwhile, and cannot be evicted and come up again from L2 unverified."""
-    untrusted: list = field(default_factory=list)
-    """The others: not offered until it settles (it may bring them up from L2)."""
-    rounds: int = 1
-    asked: set = field(default_factory=set)
-    """Objects targeted fetches of it asked for (those that did not come are not asked
-    again)."""
-    namespace: str = ""
-    owner: str = field(default_factory=lambda: f"prefetch-{uuid.uuid4().hex}")
-    """Holds what it brought up in `capacity` until `finish_prefetch`."""
-    done_with: bool = False
-
-
-@dataclass
 class _Reservation(Reservation):
     keys: list = field(default_factory=list)
     namespace: str = ""
 
 
-class EmbeddedStore(ChunkStore):
+class EmbeddedStore(L2Reads, ChunkStore):
     def __init__(self, layout: KVLayout, fingerprint: str, chunk_size: int,
                  config: StoreConfig = StoreConfig(), kv_rank: int = 0, stats=None):
         self.layout, self.fingerprint, self.chunk_size = layout, fingerprint, chunk_size
@@ -110,9 +86,11 @@ class EmbeddedStore(ChunkStore):
         self._total = self.tier.usage()[1]
         self.capacity = Capacity(self._total)
         self._warned_untracked = False
-        self._inflight: list[_Prefetch] = []  # lookup thread
+        self._inflight: list = []  # prefetches not settled yet (lookup thread)
         self._maybe_untrusted: Counter = Counter()  # keys an unsettled prefetch may load
         self._bad: set = set()  # keys whose L2 copy failed verification
+        self._hung: list = []  # prefetches given up, their tasks still unanswered
+        self._unverified: set = set()  # keys a given-up prefetch may bring up unverified
 
     @property
     def has_l2(self) -> bool:
@@ -140,8 +118,11 @@ class EmbeddedStore(ChunkStore):
         out = {}
         for gid in self._groups:
             keys = [self.key(h, gid) for h in chain]
-            out[gid] = {i for i in self.tier.resident(gid, keys, self._layouts[gid], False)
-                        if keys[i] not in self._maybe_untrusted and keys[i] not in self._bad}
+            present = self.tier.resident(gid, keys, self._layouts[gid], False)
+            if self._unverified:
+                self._check_unverified(gid, keys, present)
+            out[gid] = {i for i in present if keys[i] not in self._maybe_untrusted
+                        and keys[i] not in self._bad and keys[i] not in self._unverified}
         return out
 
     def pin(self, chain: Sequence[bytes], start: int, hit: int,
@@ -174,7 +155,8 @@ class EmbeddedStore(ChunkStore):
             if len(hits) != len(keys):
                 return None
         keys = [self.key(h, g) for h, g in cells]
-        if any(k in self._maybe_untrusted or k in self._bad for k in keys):
+        if any(k in self._maybe_untrusted or k in self._bad or k in self._unverified
+               for k in keys):
             return None
         found = self.tier.read(keys)
         views = {}
@@ -197,170 +179,6 @@ class EmbeddedStore(ChunkStore):
         self.capacity.unpinned(end)
         if namespace != self.namespace:  # reset while loading: nothing tracks them now
             self.tier.delete(keys)
-
-    # -- reads: L2 --------------------------------------------------------------------
-    def start_prefetch(self, chain: Sequence[bytes], start: int, limit: int) -> Prefetch:
-        """Ask the L2 tiers for the longest prefix of `chain` they can serve, without
-        waiting: LMCache loads what it needs into L1 (each sliding group only its window
-        before each chunk end). Room is made first for the hit asked for (it may evict
-        what a save of it could); without room nothing is asked."""
-        p = _Prefetch(time.monotonic(), chain=tuple(chain), start=start, limit=limit,
-                      namespace=self.namespace)
-        asked = self._end(chain, limit, 1)
-        if not self._make_room(asked):
-            p.finished = True
-            return p
-        self._submit(p, [([(gid, list(chain)) for gid in self._groups], "prefix")])
-        return p
-
-    def _make_room(self, asked: EndSpec) -> bool:
-        """Room in L1 for what a prefetch of `asked` may bring up."""
-        missing = [c for c in asked.cells if c not in self.capacity]
-        ok, garbage = self.capacity.room(sum(self._bytes[g] for _, g in missing), asked.key)
-        self._delete(garbage)
-        return ok
-
-    def _submit(self, p: _Prefetch, tasks) -> None:
-        planned = [(policy, [(gid, hs, [self.key(h, gid) for h in hs]) for gid, hs in rows])
-                   for rows, policy in tasks]
-        keys = [k for _, rows in planned for _, _, ks in rows for k in ks]
-        held = [ks[i] for _, rows in planned for gid, _, ks in rows
-                for i in self.tier.resident(gid, ks, self._layouts[gid], True)]
-        before = set(held)
-        p.held += held
-        p.untrusted += [k for k in keys if k not in before]
-        self._maybe_untrusted.update(k for k in keys if k not in before)
-        for policy, rows in planned:
-            handle = self.tier.prefetch(
-                [(gid, ks, self._layouts[gid], self._windows[gid] if policy == "prefix"
-                  else -1) for gid, _, ks in rows], policy)
-            p.tasks.append((handle, rows))
-            p.results.append(None)
-        if p not in self._inflight:
-            self._inflight.append(p)
-
-    def poll(self) -> None:
-        """Settle every finished prefetch: verify what it loaded from L2, drop what fails,
-        release its locks (also of prefetches whose lookup gave up waiting). LMCache's
-        prefix fetch serves chunk ends: a hit ending inside a chunk may need one more
-        window chunk, and an object that failed leaves a shorter hit that needs other
-        window chunks; up to two targeted fetches follow (`_next_fetch`)."""
-        still = []
-        for p in self._inflight:
-            for i, (handle, _) in enumerate(p.tasks):
-                if p.results[i] is None:
-                    p.results[i] = self.tier.prefetch_outcome(handle)
-            if any(r is None for r in p.results):
-                still.append(p)
-                continue
-            self._settle(p)
-            missing = self._next_fetch(p) if p.rounds < 3 else []
-            if missing:
-                p.rounds += 1
-                p.asked.update(missing)
-                per_group: dict[int, list[bytes]] = {}
-                for h, gid in missing:
-                    per_group.setdefault(gid, []).append(h)
-                p.tasks, p.results = [], []
-                self._submit(p, [([(gid, hs)], "full") for gid, hs in per_group.items()])
-                still.append(p)
-            else:
-                p.finished = True
-        self._inflight = still
-
-    def _next_fetch(self, p: _Prefetch) -> list[ChunkKey]:
-        """What L1 lacks of the longest hit (at most `p.limit`) still within reach: one
-        whose full-attention chunks L1 holds (the prefix fetch brought every one L2 had)
-        and none of whose objects is known bad or was asked for in vain. Nothing if that
-        hit is servable already."""
-        resident = self.resident(p.chain)
-        c = self.chunk_size
-        for end in sorted({p.limit} | set(range(c, p.limit, c)), reverse=True):
-            if end <= p.start:
-                break
-            cells = hit_chunks(self.layout, p.start, end, c)
-            if any(ch not in resident[g] for g, ch in cells if g in self._full):
-                continue
-            keys = [(p.chain[ch], g) for g, ch in cells if ch not in resident[g]]
-            if any(k in p.asked or self.key(*k) in self._bad for k in keys):
-                continue
-            return keys
-        return []
-
-    def _settle(self, p: _Prefetch) -> None:
-        locked, bad, strays, held, landed = [], [], {}, set(p.held), {}
-        for (_, rows), result in zip(p.tasks, p.results):
-            for row, (gid, hashes, keys) in enumerate(rows):
-                loaded = set(result.from_l2[row])
-                hit = result.hit[row]
-                for i in hit:
-                    key = keys[i]  # as submitted: the namespace may have changed since
-                    locked.append(key)
-                    if i in loaded:
-                        if self._verified(key, hashes[i], gid):
-                            p.loaded.add((hashes[i], gid))
-                            landed[(hashes[i], gid)] = self._bytes[gid]
-                        else:
-                            bad.append(key)
-                hit = set(hit)
-                strays.setdefault(gid, []).extend(
-                    (keys[i], hashes[i]) for i in range(len(keys))
-                    if i not in hit and keys[i] not in held)
-        more, stray_landed = self._verify_strays(strays)
-        bad += more
-        if p.namespace == self.namespace:
-            # Tracked from now on: the hit's objects are held for the lookup's pin (if
-            # it still waits), what no hit needs is deleted (strays at once).
-            self.capacity.kept({**landed, **stray_landed})
-            if not p.done_with:
-                self.capacity.hold(p.owner, landed)
-        self.tier.unlock(locked)
-        self.tier.unlock(p.held)
-        if bad:
-            self._bad.update(bad)
-            self.tier.delete_everywhere(bad)
-            self.capacity.dropped([(k.chunk_hash, k.object_group_id) for k in bad])
-            p.rejected += len(bad)
-            if self.stats is not None:
-                self.stats.add("rejected_objects", len(bad))
-            logger.warning("gemma4-kv: %d object(s) from an L2 tier failed verification "
-                           "(corrupt, truncated or foreign): dropped, recomputed instead",
-                           len(bad))
-        self._maybe_untrusted.subtract(p.untrusted)
-        self._maybe_untrusted += Counter()  # drop zero counts
-        p.held, p.untrusted = [], []
-
-    def _verify_strays(self, strays: dict[int, list]) -> tuple[list, dict]:
-        """Objects a prefetch brought into L1 but left out of the hit it reports: LMCache
-        keeps them there unlocked (e.g. those past a value that failed to load, which ends
-        a prefix). Verified like the hit: (bad keys, sizes of the good ones)."""
-        bad, good = [], {}
-        for gid, pairs in strays.items():
-            keys = [k for k, _ in pairs]
-            held = self.tier.resident(gid, keys, self._layouts[gid], True)  # locked:
-            try:                                            # not deleted while we read
-                for i in held:
-                    if self._verified(keys[i], pairs[i][1], gid):
-                        good[(pairs[i][1], gid)] = self._bytes[gid]
-                    else:
-                        bad.append(keys[i])
-            finally:
-                self.tier.unlock([keys[i] for i in held])
-        return bad, good
-
-    def _verified(self, key, chunk_hash: bytes, gid: int) -> bool:
-        if not self.config.verify_checksums:
-            return True
-        obj = self.tier.read([key]).get(key)
-        return obj is not None and integrity.verify(
-            obj.kv, obj.trailer, integrity.key64(key.model_name, chunk_hash, gid))
-
-    def finish_prefetch(self, prefetch: Prefetch) -> None:
-        """The lookup is done with this prefetch (it pinned its hit, or gave up): what it
-        brought up and no hit holds goes."""
-        if isinstance(prefetch, _Prefetch):
-            prefetch.done_with = True
-            self._delete(self.capacity.finished(prefetch.owner))
 
     # -- writes -----------------------------------------------------------------------
     def reserve(self, write: ChunkWrite) -> Reservation:
@@ -430,6 +248,7 @@ class EmbeddedStore(ChunkStore):
             return
         self.tier.publish(keys)
         self._bad.difference_update(keys)  # a fresh copy replaces one that failed
+        self._unverified.difference_update(keys)
         self.capacity.stored(reservation.objects)
 
     def abort(self, reservation: Reservation) -> None:
@@ -481,6 +300,7 @@ class EmbeddedStore(ChunkStore):
         self.namespace = f"{self.fingerprint}-g{uuid.uuid4().hex[:12]}"
         self.tier.clear()
         self.capacity.clear()
+        self._unverified.clear()  # keys of the old generation: never looked up again
         return True
 
     def usage(self) -> tuple[int, int]:

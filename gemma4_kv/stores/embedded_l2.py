@@ -1,0 +1,292 @@
+"""The embedded store's slower tiers: what a lookup asks LMCache's L2 adapters (disk,
+Redis/Valkey, ...) for, and how what comes up is verified before it may be offered.
+
+An L2 lookup is an LMCache prefetch (`start_prefetch` / `poll`), never waited for. What
+it loads is verified against its trailer as it lands (`integrity.py`); a bad object is
+dropped from every tier and never offered again by this process. Until a prefetch
+settles, the objects it may bring up are not offered at all (`_maybe_untrusted`), and
+those L1 held when it started stay read-locked, so they cannot be evicted and come up
+again unverified. A prefetch whose tasks have not answered within `L2_TASK_LIMIT_S` (a
+stuck NFS mount under `fs_native`, a tier that stopped answering) is given up: its locks
+go at once, and what it may still bring up is verified when first offered
+(`_unverified`). A mixin of `embedded.EmbeddedStore`, on its state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..layout.plan import hit_chunks
+from . import integrity
+from .base import ChunkKey, Prefetch
+from .capacity import EndSpec
+
+logger = logging.getLogger(__name__)
+
+L2_TASK_LIMIT_S = 30.0
+"""A prefetch still unanswered this long after it started is given up (LMCache keeps a
+task's read locks for 300 s): lookups wait for L2 for a few seconds at most, so nothing
+waits on it any more, and what it holds is needed by saves and other hits."""
+
+
+@dataclass
+class _Prefetch(Prefetch):
+    """LMCache prefetch tasks of one lookup, and what they hold until they settle."""
+
+    chain: tuple[bytes, ...] = ()
+    start: int = 0
+    limit: int = 0
+    tasks: list = field(default_factory=list)  # (handle, rows of (gid, hashes, keys))
+    results: list = field(default_factory=list)
+    held: list = field(default_factory=list)
+    """Its keys that were in L1 when it started, read-locked until it settles: they stay
+    offered meanwhile, and cannot be evicted and come up again from L2 unverified."""
+    untrusted: list = field(default_factory=list)
+    """The others: not offered until it settles (it may bring them up from L2)."""
+    rounds: int = 1
+    asked: set = field(default_factory=set)
+    """Objects targeted fetches of it asked for (those that did not come are not asked
+    again)."""
+    namespace: str = ""
+    owner: str = field(default_factory=lambda: f"prefetch-{uuid.uuid4().hex}")
+    """Holds what it brought up in `capacity` until `finish_prefetch`."""
+    done_with: bool = False
+
+
+class L2Reads:
+    """`start_prefetch`, `poll`, `finish_prefetch` of the embedded store."""
+
+    # -- reads: L2 --------------------------------------------------------------------
+    def start_prefetch(self, chain: Sequence[bytes], start: int, limit: int) -> Prefetch:
+        """Ask the L2 tiers for the longest prefix of `chain` they can serve, without
+        waiting: LMCache loads what it needs into L1 (each sliding group only its window
+        before each chunk end). Room is made first for the hit asked for (it may evict
+        what a save of it could); without room nothing is asked."""
+        p = _Prefetch(time.monotonic(), chain=tuple(chain), start=start, limit=limit,
+                      namespace=self.namespace)
+        asked = self._end(chain, limit, 1)
+        if not self._make_room(asked):
+            p.finished = True
+            return p
+        self._submit(p, [([(gid, list(chain)) for gid in self._groups], "prefix")])
+        return p
+
+    def _make_room(self, asked: EndSpec) -> bool:
+        """Room in L1 for what a prefetch of `asked` may bring up."""
+        missing = [c for c in asked.cells if c not in self.capacity]
+        ok, garbage = self.capacity.room(sum(self._bytes[g] for _, g in missing), asked.key)
+        self._delete(garbage)
+        return ok
+
+    def _submit(self, p: _Prefetch, tasks) -> None:
+        planned = [(policy, [(gid, hs, [self.key(h, gid) for h in hs]) for gid, hs in rows])
+                   for rows, policy in tasks]
+        keys = [k for _, rows in planned for _, _, ks in rows for k in ks]
+        held = [ks[i] for _, rows in planned for gid, _, ks in rows
+                for i in self.tier.resident(gid, ks, self._layouts[gid], True)]
+        before = set(held)
+        p.held += held
+        p.untrusted += [k for k in keys if k not in before]
+        self._maybe_untrusted.update(k for k in keys if k not in before)
+        for policy, rows in planned:
+            handle = self.tier.prefetch(
+                [(gid, ks, self._layouts[gid], self._windows[gid] if policy == "prefix"
+                  else -1) for gid, _, ks in rows], policy)
+            p.tasks.append((handle, rows))
+            p.results.append(None)
+        if p not in self._inflight:
+            self._inflight.append(p)
+
+    def poll(self) -> None:
+        """Settle every finished prefetch: verify what it loaded from L2, drop what fails,
+        release its locks (also of prefetches whose lookup gave up waiting). LMCache's
+        prefix fetch serves chunk ends: a hit ending inside a chunk may need one more
+        window chunk, and an object that failed leaves a shorter hit that needs other
+        window chunks; up to two targeted fetches follow (`_next_fetch`)."""
+        self._poll_hung()
+        still, now = [], time.monotonic()
+        for p in self._inflight:
+            for i, (handle, _) in enumerate(p.tasks):
+                if p.results[i] is None:
+                    p.results[i] = self.tier.prefetch_outcome(handle)
+            if any(r is None for r in p.results):
+                if now - p.started > L2_TASK_LIMIT_S:
+                    self._give_up(p)
+                else:
+                    still.append(p)
+                continue
+            self._settle(p)
+            missing = self._next_fetch(p) if p.rounds < 3 else []
+            if missing:
+                p.rounds += 1
+                p.asked.update(missing)
+                per_group: dict[int, list[bytes]] = {}
+                for h, gid in missing:
+                    per_group.setdefault(gid, []).append(h)
+                p.tasks, p.results = [], []
+                self._submit(p, [([(gid, hs)], "full") for gid, hs in per_group.items()])
+                still.append(p)
+            else:
+                p.finished = True
+        self._inflight = still
+
+    def _give_up(self, p: _Prefetch) -> None:
+        """Stop waiting for a prefetch whose tasks do not answer: its read locks go, and
+        what it may still bring up into L1 unverified is verified before it is offered.
+        Its tasks are still polled: what they lock when they answer is unlocked then."""
+        self.tier.unlock(p.held)
+        self._unverified.update(p.untrusted)
+        self._maybe_untrusted.subtract(p.untrusted)
+        self._maybe_untrusted += Counter()
+        p.held, p.untrusted, p.finished = [], [], True
+        self._hung.append(p)
+        if self.stats is not None:
+            self.stats.add("hung_l2_prefetches", 1)
+        logger.warning("gemma4-kv: an L2 prefetch did not answer within %.0f s (a stuck "
+                       "tier or mount?): given up, its locks released; what it brings up "
+                       "later is verified before use", L2_TASK_LIMIT_S)
+
+    def _poll_hung(self) -> None:
+        """Unlock what given-up prefetches locked, once their tasks answer at last."""
+        still = []
+        for p in self._hung:
+            for i, (handle, _) in enumerate(p.tasks):
+                if p.results[i] is None:
+                    p.results[i] = self.tier.prefetch_outcome(handle)
+            if any(r is None for r in p.results):
+                still.append(p)
+                continue
+            self.tier.unlock([keys[i] for (_, rows), result in zip(p.tasks, p.results)
+                              for row, (_, _, keys) in enumerate(rows)
+                              for i in result.hit[row]])
+        self._hung = still
+
+    def _check_unverified(self, gid: int, keys: list, present: list[int]) -> None:
+        """Verify the objects among `keys[present]` (in L1) that a given-up prefetch may
+        have brought up: a good one is offered from now on, a bad one is dropped."""
+        todo = [i for i in present if keys[i] in self._unverified]
+        if not todo:
+            return
+        subset = [keys[i] for i in todo]
+        locked = [subset[i] for i in self.tier.resident(gid, subset, self._layouts[gid], True)]
+        try:
+            verdict = {k: self._verified(k, k.chunk_hash, gid) for k in locked}
+        finally:
+            self.tier.unlock(locked)
+        bad = [k for k, ok in verdict.items() if ok is False]
+        self._unverified.difference_update(k for k, ok in verdict.items() if ok)
+        if bad:
+            self._drop_bad(bad)
+
+    def _drop_bad(self, bad: list) -> None:
+        self._bad.update(bad)
+        self._unverified.difference_update(bad)
+        self.tier.delete_everywhere(bad)
+        self.capacity.dropped([(k.chunk_hash, k.object_group_id) for k in bad])
+        if self.stats is not None:
+            self.stats.add("rejected_objects", len(bad))
+        logger.warning("gemma4-kv: %d object(s) from an L2 tier failed verification "
+                       "(corrupt, truncated or foreign): dropped, recomputed instead",
+                       len(bad))
+
+    def _next_fetch(self, p: _Prefetch) -> list[ChunkKey]:
+        """What L1 lacks of the longest hit (at most `p.limit`) still within reach: one
+        whose full-attention chunks L1 holds (the prefix fetch brought every one L2 had)
+        and none of whose objects is known bad or was asked for in vain. Nothing if that
+        hit is servable already."""
+        resident = self.resident(p.chain)
+        c = self.chunk_size
+        for end in sorted({p.limit} | set(range(c, p.limit, c)), reverse=True):
+            if end <= p.start:
+                break
+            cells = hit_chunks(self.layout, p.start, end, c)
+            if any(ch not in resident[g] for g, ch in cells if g in self._full):
+                continue
+            keys = [(p.chain[ch], g) for g, ch in cells if ch not in resident[g]]
+            if any(k in p.asked or self.key(*k) in self._bad for k in keys):
+                continue
+            return keys
+        return []
+
+    def _settle(self, p: _Prefetch) -> None:
+        locked, bad, strays, held, landed = [], [], {}, set(p.held), {}
+        for (_, rows), result in zip(p.tasks, p.results):
+            for row, (gid, hashes, keys) in enumerate(rows):
+                loaded = set(result.from_l2[row])
+                hit = result.hit[row]
+                for i in hit:
+                    key = keys[i]  # as submitted: the namespace may have changed since
+                    locked.append(key)
+                    if i in loaded:
+                        ok = self._verified(key, hashes[i], gid)
+                        if ok:
+                            p.loaded.add((hashes[i], gid))
+                            landed[(hashes[i], gid)] = self._bytes[gid]
+                        elif ok is False:
+                            bad.append(key)
+                hit = set(hit)
+                strays.setdefault(gid, []).extend(
+                    (keys[i], hashes[i]) for i in range(len(keys))
+                    if i not in hit and keys[i] not in held)
+        more, stray_landed = self._verify_strays(strays)
+        bad += more
+        if p.namespace == self.namespace:
+            # Tracked from now on: the hit's objects are held for the lookup's pin (if
+            # it still waits), what no hit needs is deleted (strays at once).
+            self.capacity.kept({**landed, **stray_landed})
+            if not p.done_with:
+                self.capacity.hold(p.owner, landed)
+        self.tier.unlock(locked)
+        self.tier.unlock(p.held)
+        if bad:
+            p.rejected += len(bad)
+            self._drop_bad(bad)
+        self._maybe_untrusted.subtract(p.untrusted)
+        self._maybe_untrusted += Counter()  # drop zero counts
+        p.held, p.untrusted = [], []
+
+    def _verify_strays(self, strays: dict[int, list]) -> tuple[list, dict]:
+        """Objects a prefetch brought into L1 but left out of the hit it reports: LMCache
+        keeps them there unlocked (e.g. those past a value that failed to load, which ends
+        a prefix). Verified like the hit: (bad keys, sizes of the good ones)."""
+        bad, good = [], {}
+        for gid, pairs in strays.items():
+            keys = [k for k, _ in pairs]
+            held = self.tier.resident(gid, keys, self._layouts[gid], True)  # locked:
+            try:                                            # not deleted while we read
+                for i in held:
+                    ok = self._verified(keys[i], pairs[i][1], gid)
+                    if ok:
+                        good[(pairs[i][1], gid)] = self._bytes[gid]
+                    elif ok is False:
+                        bad.append(keys[i])
+            finally:
+                self.tier.unlock([keys[i] for i in held])
+        return bad, good
+
+    def _verified(self, key, chunk_hash: bytes, gid: int) -> bool | None:
+        """Whether the object in L1 matches its trailer; None if reading it raised (it is
+        then verified again before it is ever offered: `_unverified`)."""
+        if not self.config.verify_checksums:
+            return True
+        try:
+            obj = self.tier.read([key]).get(key)
+        except Exception as e:  # noqa: BLE001 - LMCache's read failed: not offered yet
+            logger.warning("gemma4-kv: reading an object to verify it failed (%s); it is "
+                           "not offered until it verifies", e)
+            self._unverified.add(key)
+            return None
+        return obj is not None and integrity.verify(
+            obj.kv, obj.trailer, integrity.key64(key.model_name, chunk_hash, gid))
+
+    def finish_prefetch(self, prefetch: Prefetch) -> None:
+        """The lookup is done with this prefetch (it pinned its hit, or gave up): what it
+        brought up and no hit holds goes."""
+        if isinstance(prefetch, _Prefetch):
+            prefetch.done_with = True
+            self._delete(self.capacity.finished(prefetch.owner))
