@@ -13,7 +13,9 @@ import random
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+from needs import require
+
+require("vllm")
 
 from vllm import SamplingParams  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
@@ -398,24 +400,140 @@ def test_engine_identity_names_what_changes_the_kv(model_dir):
     assert odd.unsafe and "int8_per_token_head" in odd.unsafe
 
 
-def test_weights_signature_follows_the_weight_files(tmp_path, model_dir):
-    import shutil
+@pytest.fixture
+def digest_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMA4_KV_CACHE_DIR", str(tmp_path / "digests"))
+    return tmp_path / "digests" / "weight-digests.json"
 
+
+def _sig(path, load_format="safetensors", download_dir=None, revision=None):
+    """weights_signature of what vLLM's ModelConfig / LoadConfig say: a model path or
+    hub id, its revision, and the load format and download_dir."""
+    from types import SimpleNamespace
+
+    from gemma4_kv.keys.weights import weights_signature
+
+    return weights_signature(SimpleNamespace(model=str(path), model_weights="",
+                                             revision=revision),
+                             SimpleNamespace(load_format=load_format,
+                                             download_dir=download_dir))
+
+
+def _checkpoint(d, value: float):
     from safetensors.torch import save_file
 
-    from gemma4_kv.keys.engine import weights_signature
+    os.makedirs(d, exist_ok=True)
+    save_file({"w": torch.full((1024,), value)}, str(d / "model.safetensors"))
+    return d
+
+
+def test_weights_identity_is_the_files_content(tmp_path, model_dir, digest_cache):
+    import hashlib
+    import shutil
 
     d = tmp_path / "ckpt"
     shutil.copytree(model_dir, d)
     cfg = _engine_config(d)
+    from gemma4_kv.keys.weights import weights_signature
     assert weights_signature(cfg.model_config, cfg.load_config) == "dummy"
-    save_file({"w": torch.zeros(4)}, str(d / "model.safetensors"))
-    cfg = _engine_config(d, load_format="safetensors")
-    first = weights_signature(cfg.model_config, cfg.load_config)
-    assert first.startswith("files:1:")
-    assert weights_signature(cfg.model_config, cfg.load_config) == first
-    save_file({"w": torch.ones(4)}, str(d / "model.safetensors"))  # replaced in place
-    assert weights_signature(cfg.model_config, cfg.load_config) != first
+    f = _checkpoint(d, 0.0) / "model.safetensors"
+    first = _sig(d)
+    # By hand: sha256 over "name\0<sha256 of the bytes>\n" after the format line.
+    want = hashlib.sha256(b"gemma4-kv:weights:1\n" + b"model.safetensors\0"
+                          + hashlib.sha256(f.read_bytes()).hexdigest().encode() + b"\n")
+    assert first == f"content:1:{want.hexdigest()}" and _sig(d) == first
+    assert _sig(shutil.copytree(d, tmp_path / "copy")) == first  # a copy elsewhere agrees
+    st = os.stat(f)
+    _checkpoint(d, 1.0)  # rewritten in place, then size and mtime put back (cp -p, rsync -a)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(f).st_size == st.st_size and os.stat(f).st_mtime_ns == st.st_mtime_ns
+    assert _sig(d) != first
+    _checkpoint(d, 0.0)
+    assert _sig(d) == first
+
+
+def test_weight_digests_are_cached_per_file_version(tmp_path, digest_cache, monkeypatch):
+    import hashlib
+    import json
+
+    d = _checkpoint(tmp_path / "ckpt", 2.0)
+    reads = []
+    real = hashlib.file_digest
+    monkeypatch.setattr(hashlib, "file_digest", lambda f, a: reads.append(f.name) or real(f, a))
+    first = _sig(d)
+    assert len(reads) == 1 and json.loads(digest_cache.read_text())["version"] == 1
+    assert _sig(d) == first and len(reads) == 1  # a restart: the cache, no read
+    os.chmod(d / "model.safetensors", 0o644)  # metadata only: ctime moves, hashed again
+    assert _sig(d) == first and len(reads) == 2
+
+
+def _hub_snapshot(cache_dir, repo: str, value: float, commit: str):
+    """A Hugging Face cache entry as huggingface_hub lays it out: refs/main names the
+    commit, snapshots/<commit>/ holds the files."""
+    base = cache_dir / f"models--{repo.replace('/', '--')}"
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / "main").write_text(commit)
+    _checkpoint(base / "snapshots" / commit, value)
+    (base / "snapshots" / commit / "config.json").write_text("{}")
+
+
+def test_a_hub_id_resolves_through_vllms_download_dir(tmp_path, digest_cache, monkeypatch):
+    """An older snapshot in the default HF cache and the one vLLM loads, in its
+    download_dir: the identity is the download_dir one's; with the model only there,
+    caching is not off."""
+    repo = "org/tiny-gemma4"
+    default, downloads = tmp_path / "hf-default", tmp_path / "downloads"
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(default))  # read at each call
+    _hub_snapshot(default, repo, 1.0, "a" * 40)
+    _hub_snapshot(downloads, repo, 2.0, "b" * 40)
+    loaded = _sig(downloads / f"models--org--tiny-gemma4/snapshots/{'b' * 40}")
+    old = _sig(default / f"models--org--tiny-gemma4/snapshots/{'a' * 40}")
+    assert loaded != old
+    assert _sig(repo, download_dir=str(downloads)) == loaded
+    assert _sig(repo) == old  # no download_dir: vLLM loads from the default cache
+    assert _sig(repo, download_dir=str(tmp_path / "empty")).startswith("unresolved:")
+
+
+def test_model_id_replaces_the_models_path(tmp_path, model_dir):
+    import shutil
+
+    from gemma4_kv.keys.engine import engine_identity
+
+    a, b = (shutil.copytree(model_dir, tmp_path / n) for n in ("a", "b"))
+    assert engine_identity(_engine_config(a)).digest != engine_identity(_engine_config(b)).digest
+    assert engine_identity(_engine_config(a), model_id="gemma").digest == \
+        engine_identity(_engine_config(b), model_id="gemma").digest
+    assert engine_identity(_engine_config(a), model_id="gemma").digest != \
+        engine_identity(_engine_config(a), model_id="other").digest
+
+
+def test_engine_level_lora_multimodal_and_attention_settings_are_named(model_dir):
+    from vllm.config.multimodal import MultiModalConfig
+
+    from gemma4_kv.keys.engine import engine_identity
+
+    def digest(**kw):
+        return engine_identity(_engine_config(model_dir, **kw)).digest
+
+    lora = digest(enable_lora=True)
+    assert lora != digest()
+    assert digest(enable_lora=True, lora_dtype="float16") != lora
+    assert digest(enable_lora=True, fully_sharded_loras=True) != lora
+    assert digest(enable_lora=True, max_loras=3) == lora  # capacity, not numerics
+    assert digest(attention_config={"flash_attn_version": 3}) != digest()
+
+    def with_mm(**kw):
+        cfg = _engine_config(model_dir)
+        cfg.model_config.multimodal_config = MultiModalConfig(**kw)
+        return engine_identity(cfg).digest
+
+    plain = with_mm()
+    assert with_mm() == plain
+    assert with_mm(mm_processor_kwargs={"do_pan_and_scan": True}) != plain
+    assert with_mm(mm_encoder_attn_dtype="fp8") != plain
+    assert with_mm(mm_processor_cache_gb=1) == plain  # a cache size: same tower output
 
 
 def test_layer_identity_covers_backend_dtype_and_kv_scales(model_dir):

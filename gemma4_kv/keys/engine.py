@@ -12,16 +12,16 @@ version is a different key: it can only miss, never be loaded.
 
 from __future__ import annotations
 
-import glob
+import dataclasses
 import hashlib
 import json
-import os
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .. import FORMAT_VERSION
 from ..layout.groups import KVLayout
+from .weights import weights_signature
 
 OBJECT_FORMAT = "KV_2LTD"
 
@@ -38,9 +38,6 @@ def fingerprint(layout: KVLayout, *, model: str, chunk_size: int, tp_rank: int =
 
 # -- what the engine's KV depends on besides the request ---------------------------------
 
-_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.index.json")
-
-
 @dataclass(frozen=True)
 class EngineIdentity:
     """Everything of the engine's configuration the KV bytes depend on."""
@@ -50,54 +47,55 @@ class EngineIdentity:
     """Why KV of this engine cannot be keyed safely (store and load nothing), or None."""
 
 
-def weights_signature(model_config, load_config) -> str:
-    """Identity of the weights vLLM loads: the weight files' (name, size, mtime_ns) of a
-    local checkpoint (or of the cached Hugging Face snapshot); "dummy" for random weights
-    (vLLM seeds them with a constant). A file replaced in place changes it; a copy of the
-    same checkpoint elsewhere also does (set `weights_id` to share KV across copies)."""
-    fmt = str(getattr(load_config, "load_format", "auto"))
-    if fmt == "dummy":
-        return "dummy"
-    path = getattr(model_config, "model_weights", "") or model_config.model
-    if not os.path.isdir(path):
-        try:
-            from huggingface_hub import snapshot_download
-
-            path = snapshot_download(path, revision=model_config.revision,
-                                     local_files_only=True)
-        except Exception:  # not in the local cache: vLLM will fetch it
-            return f"unresolved:{path}@{model_config.revision}"
-    files = sorted({f for pat in _WEIGHT_FILES for f in glob.glob(os.path.join(path, pat))})
-    h = hashlib.sha256(os.path.realpath(path).encode())
-    for f in files:
-        st = os.stat(f)
-        h.update(struct.pack("<QQ", st.st_size, st.st_mtime_ns) + os.path.basename(f).encode())
-    return f"files:{len(files)}:{h.hexdigest()}"
-
-
 def _jsonable(value):
     return json.loads(json.dumps(value, sort_keys=True, default=repr))
 
 
+def _without_paths(value):
+    """An HF config dict without `_name_or_path` at any depth: where the checkpoint
+    lies is not what it computes (`model_id` names it)."""
+    if isinstance(value, dict):
+        return {k: _without_paths(v) for k, v in value.items() if k != "_name_or_path"}
+    if isinstance(value, list):
+        return [_without_paths(v) for v in value]
+    return value
+
+
+def _config(obj, leave_out: tuple[str, ...] = ()):
+    """A vLLM config dataclass as JSON-able fields (None stays None)."""
+    if obj is None:
+        return None
+    return _jsonable({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
+                      if f.name not in leave_out})
+
+
+# Multimodal settings that change what the tower computes (hence the text KV after an
+# image): processor arguments, media decoding, normalization, the encoder's attention.
+_MM_FIELDS = ("mm_processor_kwargs", "media_io_kwargs", "mm_device_do_normalize",
+              "mm_encoder_tp_mode", "mm_encoder_attn_backend", "mm_encoder_attn_dtype",
+              "video_pruning_rate", "video_pruning_method")
+# LoRA settings that change no numerics: how many adapters fit at once.
+_LORA_CAPACITY = ("max_loras", "max_cpu_loras")
+
+
 def engine_identity(vllm_config, *, weights_id: str | None = None,
-                    generation: str = "") -> EngineIdentity:
+                    model_id: str | None = None, generation: str = "") -> EngineIdentity:
     """The engine's part of the fingerprint. `weights_id` (an operator-given checkpoint
-    identity) replaces the weight files' stat signature; `generation` names in-place
-    weight updates (the scheduler's `RequestKeyer.generation` carries it too)."""
+    identity) replaces the weight files' content digest, `model_id` the model's path;
+    `generation` names in-place weight updates (the scheduler's
+    `RequestKeyer.generation` carries it too)."""
     import vllm
     from vllm.v1.kv_cache_interface import KVQuantMode, get_kv_quant_mode
 
     mc, cc, lc = vllm_config.model_config, vllm_config.cache_config, vllm_config.load_config
     pc = vllm_config.parallel_config
-    try:
-        hf_config = mc.hf_config.to_json_string(use_diff=False)
-    except Exception:
-        hf_config = repr(mc.hf_config.to_dict())
+    hf_config = json.dumps(_without_paths(mc.hf_config.to_dict()), sort_keys=True,
+                           default=repr)
     overrides = mc.hf_overrides
     attn = getattr(vllm_config, "attention_config", None)
     fields = {
         "vllm": vllm.__version__,
-        "model": mc.model,
+        "model": model_id or mc.model,
         "revision": mc.revision,
         "code_revision": mc.code_revision,
         "weights": weights_id or weights_signature(mc, lc),
@@ -115,7 +113,10 @@ def engine_identity(vllm_config, *, weights_id: str | None = None,
         "kv_cache_dtype_skip_layers": list(getattr(cc, "kv_cache_dtype_skip_layers", [])),
         "calculate_kv_scales": bool(getattr(cc, "calculate_kv_scales", False)),
         "disable_sliding_window": bool(mc.disable_sliding_window),
-        "attention_backend": str(getattr(attn, "backend", None)),
+        "attention": _config(attn),
+        "multimodal": {k: _jsonable(getattr(mc.multimodal_config, k, None))
+                       for k in _MM_FIELDS} if mc.multimodal_config else None,
+        "lora": _config(vllm_config.lora_config, _LORA_CAPACITY),
         "dcp": getattr(pc, "decode_context_parallel_size", 1),
         "generation": generation,
     }

@@ -94,8 +94,9 @@ def _adapter_files(path: str) -> list[tuple[str, os.stat_result]]:
 
 class AdapterDigests:
     """sha256 of an adapter's files (every regular file under its directory), computed once
-    per version: cached by each file's (relative name, size, mtime_ns, inode), so a lookup
-    costs a `stat` per file and a changed file is read again."""
+    per version: cached by each file's (relative name, size, mtime_ns, ctime_ns, inode), so
+    a lookup costs a `stat` per file and a changed file is read again (ctime: a rewrite
+    that restores size and mtime, as `cp -p` does, still changes it)."""
 
     def __init__(self):
         self._cache: dict[str, tuple[tuple, bytes]] = {}
@@ -105,7 +106,8 @@ class AdapterDigests:
         """None if `path` has no readable regular file."""
         try:
             files = _adapter_files(path)
-            sig = tuple((rel, st.st_size, st.st_mtime_ns, st.st_ino) for rel, st in files)
+            sig = tuple((rel, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+                        for rel, st in files)
             if not files:
                 return None
             with self._lock:
@@ -120,7 +122,7 @@ class AdapterDigests:
                         fh.update(block)
                 h.update(_f(1, rel.encode()) + _f(2, fh.digest()))
             # Read again: a file rewritten while we read it must not be cached as this sig.
-            if tuple((r, s.st_size, s.st_mtime_ns, s.st_ino)
+            if tuple((r, s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino)
                      for r, s in _adapter_files(path)) != sig:
                 return None
             digest = h.digest()
