@@ -291,6 +291,104 @@ def test_reset_makes_this_engines_objects_unreachable_to_it_only(server):
         b.close()
 
 
+def test_reset_during_a_load_keeps_the_loads_locks(server):
+    """A reset (weights changed) while a load reads pinned objects: the old registrations
+    stay until the pin is given back (unregistering dropped the server's read locks
+    under the load: 6 -> 0, and the release then went unanswered for `timeout_s` and
+    marked the server down); then they go, and nothing of the old space is offered."""
+    before = set(server.status()["registered_non_cuda_instance_ids"])
+    sessions = server.locks()[2]  # earlier tests' crashed clients may leave some
+    store = open_store(server.url)
+    try:
+        old_ids = set(server.status()["registered_non_cuda_instance_ids"]) - before
+        assert len(old_ids) == 3  # one registration per group
+        put(store, 11, 2)
+        hashes = chunk_hashes(tokens_of(11, 2), CHUNK)
+        assert lookup(store, hashes) == {g: {0, 1} for g in range(3)}
+        held = store.pin(hashes, 0, 128)  # a load in flight: 2 chunks x 3 groups
+        assert held is not None and server.locks()[0] == 6
+        assert store.reset()
+        assert server.locks()[0] == 6  # the load's locks survive the reset
+        assert old_ids <= set(server.status()["registered_non_cuda_instance_ids"])
+        assert torch.equal(bits(held.views[(hashes[1], 2)]),
+                           bits(payload((1, 2), held.views[(hashes[1], 2)], 11)))
+        store.release(held)
+        assert store.has_l2  # every release call was answered
+        assert server.locks() == (0, 0, sessions)
+        registered = set(server.status()["registered_non_cuda_instance_ids"])
+        assert not old_ids & registered  # unregistered once nothing read in them
+        assert len(registered - before) == 3  # the new space's
+        assert lookup(store, hashes) == NONE
+    finally:
+        store.close()
+
+
+def test_a_lookup_in_flight_at_a_reset_is_never_offered(server):
+    """A lookup asked before a reset settles after it: its objects belong to the old
+    weights and must not be pinned (nor its locks kept)."""
+    store = open_store(server.url)
+    try:
+        put(store, 13, 2)
+        hashes = chunk_hashes(tokens_of(13, 2), CHUNK)
+        p = store.start_prefetch(hashes, 0, 128)
+        store.reset()
+        deadline = time.monotonic() + 10
+        while not p.finished:
+            assert time.monotonic() < deadline
+            store.poll()
+            time.sleep(0.002)
+        assert store.resident(hashes) == NONE
+        assert store.pin(hashes, 0, 128) is None
+        assert server.locks()[:2] == (0, 0)
+    finally:
+        store.close()
+
+
+def _mapped_segments(shm: str) -> set[int]:
+    """Inodes of the server L1 segments named `shm` mapped in this process (the kernel's
+    own account: /proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        return {int(line.split()[4]) for line in f if f"lmcache_l1_pool_{shm}" in line}
+
+
+def test_a_dead_servers_l1_is_unmapped_once_nothing_reads_it():
+    """Every restart used to keep the dead server's L1 mapped (populated): N restarts,
+    N x L1 of RAM. A load still reading the old segment keeps it until released."""
+    s = Server()
+    store = None
+    try:
+        store = open_store(s.url, ping_interval_s=0.5)
+        put(store, 12, 2)
+        hashes = chunk_hashes(tokens_of(12, 2), CHUNK)
+        assert lookup(store, hashes) == {g: {0, 1} for g in range(3)}
+        held = store.pin(hashes, 64, 128)
+        assert held is not None and len(_mapped_segments(s.shm)) == 1
+        for restart in range(2):
+            epoch = store.tier.epoch
+            s.restart()
+            deadline = time.monotonic() + RECOVERY_BOUND
+            while (store.tier.epoch == epoch or not store.has_l2) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert store.tier.epoch == epoch + 1 and store.has_l2
+            # the first restart's old segment is still read by `held`
+            assert len(_mapped_segments(s.shm)) == (2 if held is not None else 1), restart
+            if held is not None:
+                assert torch.equal(bits(held.views[(hashes[1], 2)]),
+                                   bits(payload((1, 2), held.views[(hashes[1], 2)], 12)))
+                store.release(held)
+                held = None
+                assert len(_mapped_segments(s.shm)) == 1
+        assert put(store, 12, 2) == [(c, g) for c in range(2) for g in range(3)]
+        present, pinned, exact = read_back(store, 12, 2)
+        assert present == {g: [0, 1] for g in range(3)} and pinned and exact
+    finally:
+        if store is not None:
+            store.close()
+        s.stop()
+    assert not _mapped_segments(s.shm)
+
+
 def test_zz_unfilled_reservations_are_never_committed_by_close(server):
     """0.5.6 commits an instance's open reservations when it is unregistered; `close`
     must not unregister while one is open. (Runs last: the reservation stays write-locked

@@ -102,8 +102,10 @@ class ServerStore(ChunkStore):
                 still.append(p)
                 continue
             p.finished = True
-            if done:
+            if done and p.lookup.space is self.tier.space:
                 self._ready.setdefault(p.hashes, []).append((now, p.lookup))
+            else:  # unanswered, failed, or asked before a reset: never offered
+                self._drop(p.lookup)
         self._inflight = still
 
     def finish_prefetch(self, prefetch: Prefetch) -> None:
@@ -120,11 +122,16 @@ class ServerStore(ChunkStore):
             self._ready.pop(prefetch.hashes, None)
 
     def _drop(self, lk: Lookup | None) -> None:
-        if lk is not None and self.tier.healthy:
-            try:
+        """Free a lookup's locks (when the server answers; else they expire there)."""
+        if lk is None:
+            return
+        try:
+            if self.tier.healthy and lk.open:
                 self.tier.keep(lk, None)
-            except ServerUnavailable:
-                pass
+        except ServerUnavailable:
+            pass
+        finally:
+            self.tier.forget(lk)
 
     def resident(self, chain: Sequence[bytes]) -> dict[int, set[int]]:
         """Per group id, the chunk indices the last settled lookup of exactly `chain`
@@ -153,6 +160,9 @@ class ServerStore(ChunkStore):
         lk = entries.pop()[1] if entries else None
         if entries is not None and not entries:
             del self._ready[tuple(chain)]
+        if lk is not None and lk.space is not self.tier.space:  # asked before a reset
+            self._drop(lk)
+            lk = None
         pin = None
         try:
             pin = self.tier.keep(lk, cells) if lk else self.tier.lock(chain, cells)

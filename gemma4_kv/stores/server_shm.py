@@ -41,7 +41,9 @@ class SharedL1:
     def __init__(self, url: str, *, prefault: bool = True, cuda_register: bool = False):
         self.url = url
         self._prefault, self._cuda_register = prefault, cuda_register
-        self._maps: list[tuple[mmap.mmap, torch.Tensor]] = []  # old ones kept: views may live
+        self._maps: dict[int, tuple[mmap.mmap, torch.Tensor]] = {}
+        """Epoch -> its mapping. A dead server's stays until `unmap` (its views may still
+        be read by a load in flight: closing an mmap does not wait for torch views)."""
         self.pool: torch.Tensor | None = None
         self._ino: int | None = None
         self.size = 0
@@ -71,10 +73,10 @@ class SharedL1:
         pool = torch.frombuffer(mm, dtype=torch.uint8)
         if self._cuda_register:
             cuda_host_register(pool, path)
-        self._maps.append((mm, pool))
         another = self._ino is not None
         if another:  # another server process: its reads went too
             self.epoch += 1
+        self._maps[self.epoch] = (mm, pool)
         self.pool, self._ino, self.size = pool, ino, size
         return another
 
@@ -97,13 +99,28 @@ class SharedL1:
                         raw[kv_bytes:].view(integrity.SEAL_DTYPE)))
         return out
 
+    def old_epochs(self) -> list[int]:
+        """Epochs of dead servers whose segments are still mapped here."""
+        return [e for e in self._maps if e != self.epoch]
+
+    def unmap(self, epoch: int) -> None:
+        """Give back the mapping of `epoch` (its pages, held by nobody else once the dead
+        server's segment is unlinked). The caller guarantees no view of it is in use."""
+        entry = self._maps.pop(epoch, None)
+        if entry is None:
+            return
+        mm, pool = entry
+        if self._cuda_register:
+            torch.cuda.cudart().cudaHostUnregister(pool.data_ptr())
+        if epoch == self.epoch:
+            self.pool = None
+        del pool
+        try:
+            mm.close()
+        except BufferError:  # exported elsewhere: the mapping goes with its last user
+            pass
+
     def close(self) -> None:
+        for epoch in list(self._maps):
+            self.unmap(epoch)
         self.pool = None
-        for mm, pool in self._maps:
-            if self._cuda_register:
-                torch.cuda.cudart().cudaHostUnregister(pool.data_ptr())
-            try:
-                mm.close()
-            except BufferError:  # a caller still holds views; the mapping goes with them
-                pass
-        self._maps.clear()

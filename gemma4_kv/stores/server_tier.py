@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +39,9 @@ class Lookup:
     started: float = field(default_factory=time.monotonic)
     asked: float = field(default_factory=time.monotonic)
     """When the calls now unanswered were sent."""
+    open: bool = True
+    """Counted in `space.open_reads` (until `keep` or `forget`; a kept lookup's count
+    passes to its pin)."""
 
     @property
     def done(self) -> bool:
@@ -68,6 +71,8 @@ class Pin:
     read_runs: set[tuple[int, int, int]] = field(default_factory=set)
     spent: set[tuple[int, int, int]] = field(default_factory=set)
     """Runs whose locks the server already gave up (a failed retrieve)."""
+    open: bool = True
+    """Counted in `space.open_reads` until `release`."""
 
 
 @dataclass
@@ -89,12 +94,30 @@ class MPServerTier(ServerConnection):
 
     def __init__(self, *args, **kwargs):
         self._prepared: dict[tuple, _Prepared] = {}
+        self._users: Counter[int] = Counter()
+        """Epoch -> pins and reservations whose views point into that epoch's L1."""
         super().__init__(*args, **kwargs)
 
     def _mapped(self, name: str, size: int) -> None:
         with self._state:
             if self.l1.map(name, size):  # another server process: its reads went too
                 self._prepared.clear()
+        self._unmap_idle()
+
+    def _use(self, epoch: int, n: int) -> None:
+        with self._state:
+            self._users[epoch] += n
+        if n < 0:
+            self._unmap_idle()
+
+    def _unmap_idle(self) -> None:
+        """Unmap dead servers' segments nothing points into any more: a restart must not
+        keep the old L1's pages (MAP_POPULATE: all of them) for the life of the engine."""
+        with self._state:
+            for epoch in self.l1.old_epochs():
+                if self._users[epoch] <= 0:
+                    self._users.pop(epoch, None)
+                    self.l1.unmap(epoch)
 
     # -- lookup -----------------------------------------------------------------------
     def start_lookup(self, hashes: Sequence[bytes]) -> Lookup:
@@ -103,9 +126,27 @@ class MPServerTier(ServerConnection):
         self._check()
         space, tokens = self._space, self._tokens(hashes)
         rids = {g: self._rid() for g in space.names}
-        acks = {g: self._client.lookup(self._key(space, g, tokens, 0, len(hashes), rids[g],
-                                                 None), 1) for g in rids}
+        with self._state:
+            space.open_reads += 1
+        try:
+            acks = {g: self._client.lookup(self._key(space, g, tokens, 0, len(hashes),
+                                                     rids[g], None), 1) for g in rids}
+        except BaseException:
+            self._close_read(space)
+            raise
         return Lookup(space, tokens, len(hashes), rids, acks, self.epoch)
+
+    def _close_read(self, space) -> None:
+        with self._state:
+            space.open_reads -= 1
+        self._settle(space)
+
+    def forget(self, lk: Lookup) -> None:
+        """A lookup given up unfinished (no answer, or the server down): its locks, if
+        any, expire with the server's read-lock TTL."""
+        if lk.open:
+            lk.open = False
+            self._close_read(lk.space)
 
     def poll_lookup(self, lk: Lookup) -> bool:
         """Whether every group has answered (`lk.found`); never waits. A call unanswered
@@ -175,17 +216,29 @@ class MPServerTier(ServerConnection):
         want: dict[int, set[int]] = defaultdict(set)
         for c, g in chunks or ():
             want[g].add(c)
-        if lk.epoch != self.epoch:
-            return None
-        ok = bool(chunks) and all(max(cs) < lk.found.get(g, 0) for g, cs in want.items())
+        if not lk.open:
+            raise ValueError("keep() of a lookup already kept or forgotten")
+        ok = lk.epoch == self.epoch and bool(chunks) and all(
+            max(cs) < lk.found.get(g, 0) for g, cs in want.items())
+        try:
+            if lk.epoch != self.epoch:
+                return None
+            if not ok:
+                want.clear()
+            frees = [f for g, hit in lk.found.items()
+                     for f in self._free(lk.space, lk.tokens, g, lk.rids[g],
+                                         set(range(hit)) - want[g])]
+            self._finish(frees, [rid for g, rid in lk.rids.items() if not want[g]])
+        except BaseException:
+            ok = False
+            raise
+        finally:
+            lk.open = False
+            if not ok:
+                self._close_read(lk.space)
         if not ok:
-            want.clear()
-        frees = [f for g, hit in lk.found.items()
-                 for f in self._free(lk.space, lk.tokens, g, lk.rids[g],
-                                     set(range(hit)) - want[g])]
-        self._finish(frees, [rid for g, rid in lk.rids.items() if not want[g]])
-        if not ok:
             return None
+        self._use(lk.epoch, 1)
         return Pin(lk.space, lk.tokens, tuple(chunks), {g: lk.rids[g] for g in want},
                    {g: runs(cs) for g, cs in want.items()}, lk.epoch)
 
@@ -194,7 +247,11 @@ class MPServerTier(ServerConnection):
         if not chunks:
             return None
         lk = self.start_lookup(hashes[:max(c for c, _ in chunks) + 1])
-        self.wait_lookup(lk)
+        try:
+            self.wait_lookup(lk)
+        except BaseException:
+            self.forget(lk)
+            raise
         return self.keep(lk, chunks)
 
     # -- read -------------------------------------------------------------------------
@@ -258,6 +315,16 @@ class MPServerTier(ServerConnection):
     def release(self, pin: Pin) -> None:
         """Give the pinned objects back (a run several pins share is handed back on the
         server when its last user lets go)."""
+        if not pin.open:
+            return
+        try:
+            self._release(pin)
+        finally:
+            pin.open = False
+            self._close_read(pin.space)
+            self._use(pin.epoch, -1)
+
+    def _release(self, pin: Pin) -> None:
         futures, space = [], pin.space
         with self._state:
             if self._stale(pin):
@@ -326,14 +393,22 @@ class MPServerTier(ServerConnection):
             with self._state:
                 space.open_writes -= 1
             self._call(self._client.end_session(rid), "end_session")
+        else:
+            self._use(self.epoch, 1)
         return Write(space, tokens, rid, reserved, objects, self.epoch)
+
+    def _close_write(self, write: Write) -> None:
+        """The write's views are done with (committed, aborted, or its server gone)."""
+        if write.runs:
+            write.runs = []
+            self._use(write.epoch, -1)
 
     def commit(self, write: Write) -> bool:
         """Make the filled objects visible to every client of the server."""
         if not write.runs:
             return True
         if self._stale(write):
-            write.runs = []
+            self._close_write(write)
             return False
         space = write.space
         try:
@@ -344,8 +419,9 @@ class MPServerTier(ServerConnection):
             with self._state:  # answered: nothing of it is open on the server any more
                 space.open_writes -= 1
         finally:
-            write.runs = []
+            self._close_write(write)
         self._finish([], [write.request_id])
+        self._settle(space)
         return ok
 
     def abort(self, write: Write) -> None:
@@ -353,7 +429,7 @@ class MPServerTier(ServerConnection):
         (0.5.6 has no abort call; unregistering or a reap would commit them)."""
         if write.runs:
             logger.warning("gemma4-kv: reserved objects left to expire on %s", self.url)
-            write.runs = []  # still counted open: this registration is never unregistered
+            self._close_write(write)  # still counted open: never unregistered
             if self._healthy:
                 self._call(self._client.end_session(write.request_id), "end_session")
 

@@ -92,6 +92,11 @@ class Space:
     names: dict[int, str]
     ids: dict[int, int]
     open_writes: int = 0
+    open_reads: int = 0
+    """Lookups and pins holding the server's read locks in this space: unregistering
+    drops them mid-load, and the next free of them would go unanswered."""
+    retired: bool = False
+    """Replaced (`rename`): unregistered once nothing reads or writes in it."""
 
 
 class ServerConnection:
@@ -131,6 +136,11 @@ class ServerConnection:
     def epoch(self) -> int:
         """Server processes seen (see `SharedL1.epoch`)."""
         return self.l1.epoch
+
+    @property
+    def space(self) -> Space:
+        """The registrations in use now (a `rename` replaces them)."""
+        return self._space
 
     @property
     def pool_size(self) -> int:
@@ -231,8 +241,7 @@ class ServerConnection:
 
     def rename(self, namespace: str) -> None:
         """Use new registrations under `namespace` from now on (`ChunkStore.reset`); the
-        old ones are unregistered unless reservations are open in them (unregistering
-        would commit those unwritten: they expire, the reaper takes the rest)."""
+        old ones are unregistered once nothing is open in them (`_settle`)."""
         old, new = self._space, self._new_space(namespace)
         self._space = new
         try:
@@ -241,10 +250,23 @@ class ServerConnection:
         except Exception as e:
             self._healthy = False  # the heartbeat registers `new` once the server answers
             raise ServerUnavailable(f"{self.url}: cannot register {namespace}: {e}") from e
-        if not old.open_writes:
-            for f in [self._client.unregister_kv_cache_engine_driven_context(i)
-                      for i in old.ids.values()]:
-                self._call(f, "unregister")
+        with self._state:
+            old.retired = True
+        self._settle(old)
+
+    def _settle(self, space: Space) -> None:
+        """Unregister a retired space once no read or write is open in it (open writes:
+        unregistering would commit them unwritten; they expire, the reaper takes the
+        rest; open reads: the server would drop their locks under a load)."""
+        with self._state:
+            if not space.retired or space.open_writes or space.open_reads:
+                return
+            space.retired = False  # once
+        if space is self._space or not self._healthy:
+            return
+        for f in [self._client.unregister_kv_cache_engine_driven_context(i)
+                  for i in space.ids.values()]:
+            self._call(f, "unregister")
 
     # -- keys -------------------------------------------------------------------------
     def _tokens(self, hashes: Sequence[bytes]) -> tuple[int, ...]:
