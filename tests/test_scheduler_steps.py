@@ -130,3 +130,35 @@ def test_a_rank_that_cannot_key_its_kv_safely_makes_every_lookup_a_miss(half):
     half.work(meta)
     half.finish(again)
     assert half.pinned() == NONE
+
+
+def test_a_hit_never_ends_inside_an_image(half):
+    """Gemma 4 attends both ways within an image: a hit must stop before an image it
+    would end inside, so vLLM computes the whole image in one step. By hand (chunk 256,
+    retention 512, window 100, hit multiple 64): a 1100-token prompt's longest hit is
+    1024; an image at [1000, 1064) cuts it to 1000, i.e. 960 (a multiple of 64), which
+    chunk 3's sliding-window object (tokens 768-1023, kept for the end at 1024) serves."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 500) for _ in range(1100)]
+    image = [("sha256-of-image-X", 1000, 64)]
+    assert half.serve(half.request(prompt, images=image))[0] == 0
+    hit, meta = half.schedule(r := half.request(prompt, images=image))
+    assert hit == 960 and [(j.start, j.hit) for j in meta.loads] == [(0, 960)]
+    half.work(meta)
+    half.finish(r)
+    # An image that starts after the hit's end leaves it alone.
+    other = [rng.randrange(3, 500) for _ in range(1100)]
+    later = [("sha256-of-image-Y", 1030, 60)]
+    assert half.serve(half.request(other, images=later))[0] == 0
+    assert half.serve(half.request(other, images=later))[0] == 1024
+    assert half.pinned() == NONE
+
+
+def test_cut_before_by_hand():
+    from gemma4_kv.layout.plan import cut_before
+
+    assert cut_before(1024, [], 64) == 1024
+    assert cut_before(1024, [(1000, 1064)], 64) == 960
+    assert cut_before(1024, [(1024, 1100)], 64) == 1024  # a hit may end where one starts
+    assert cut_before(1024, [(900, 1024)], 64) == 1024  # ... or where one ends
+    assert cut_before(1024, [(950, 1000), (1000, 1064)], 64) == 896  # 1000 -> 960 -> 950

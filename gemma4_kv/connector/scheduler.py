@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from ..config.settings import ConnectorSettings
 from ..keys.engine import engine_identity
 from ..keys.request import (ChunkKeys, RequestKeyer, Uncacheable,
-                            mm_identifiers_are_content_hashes)
+                            mm_identifiers_are_content_hashes, placeholder_spans)
 from ..layout.groups import AttentionKind, from_vllm
-from ..layout.plan import check_chunk_size, hit_ends, retained_chunks
+from ..layout.plan import check_chunk_size, cut_before, hit_ends, retained_chunks
 from ..lookup import messages
 from ..lookup.channel import LookupClient
 from ..lookup.ranks import RanksDown, lookup_all_ranks
@@ -174,11 +174,13 @@ class ConnectorScheduler:
         full = (st.prompt_len - self.draft_lookahead) // self.chunk_size * self.chunk_size
         hashes = self._hashes(st, full)
         limit = min(full, (st.prompt_len - 1) // m * m)
+        spans = placeholder_spans(request)
+        limit = cut_before(limit, spans, m)
         if limit <= num_computed_tokens or time.monotonic() < self._ranks_down_until:
             return 0, False
         try:
             hit, from_l2 = lookup_all_ranks(self.client, messages.Lookup(
-                request.request_id, hashes, num_computed_tokens, limit))
+                request.request_id, hashes, num_computed_tokens, limit, spans))
         except RanksDown:
             logger.warning("gemma4-kv: a worker rank did not answer a lookup; no lookups "
                            "for %.0f s", RANK_BACKOFF_S)

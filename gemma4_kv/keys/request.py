@@ -356,3 +356,17 @@ def mm_identifiers_are_content_hashes(vllm_config) -> bool:
 def chunk_keys(request, chunk_size: int, num_tokens: int | None = None) -> ChunkKeys | Uncacheable:
     """One-off keys with a fresh keyer (generation "", nothing bound): tests, tools."""
     return RequestKeyer(chunk_size).keys(request, num_tokens)
+
+
+def placeholder_spans(request) -> list[tuple[int, int]]:
+    """Token ranges [a, b) of the request's multimodal items. Gemma 4 attends both ways
+    within an image: a hit that ends inside one lets vLLM compute the rest of the image
+    in a later step, whose tokens the first part then never sees. Every item counts (a
+    cut that was not needed only costs a shorter hit)."""
+    spans = []
+    for f in request.mm_features or ():
+        pos = f.mm_position
+        if pos.length > 1:
+            spans.append((pos.offset, pos.offset + pos.length))
+    return spans
+

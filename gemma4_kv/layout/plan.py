@@ -192,3 +192,16 @@ def load_blocks(layout: KVLayout, start: int, hit_len: int, chunk_size: int,
                                  f"block of chunk {c} the hit needs")
             out.append(cb)
     return out
+
+
+def cut_before(limit: int, spans: Sequence[tuple[int, int]], multiple: int = 1) -> int:
+    """The largest multiple of `multiple` <= `limit` that ends inside none of `spans`
+    ([a, b) ranges: a hit may end at a or b, not strictly between)."""
+    limit -= limit % multiple
+    moved = True
+    while moved:
+        moved = False
+        for a, b in spans:
+            if a < limit < b:
+                limit, moved = a - a % multiple, True
+    return limit

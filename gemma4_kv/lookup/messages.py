@@ -22,6 +22,9 @@ class Lookup(msgspec.Struct, tag=True, frozen=True):
     hashes: list[bytes]
     start: int
     limit: int
+    spans: list[tuple[int, int]] = []
+    """Token ranges [a, b) a hit must not end inside (images: attended both ways, so
+    vLLM must compute an image's tokens in one step)."""
 
 
 class Repin(msgspec.Struct, tag=True, frozen=True):

@@ -109,7 +109,7 @@ class LookupService:
         pending = self._pending.pop(msg.req_id, None)
         candidates = None
         if pending is None and self.store.has_l2 and self._backoff.allows(now):
-            candidates = self._candidates(chain, msg.start, msg.limit)
+            candidates = self._candidates(chain, msg.start, msg.limit, msg.spans)
             if candidates[:1] != [min(msg.limit, n * self.chunk_size)]:
                 # A slower tier may hold a longer hit: ask it without waiting.
                 prefetch = self.store.start_prefetch(chain, msg.start, msg.limit)
@@ -129,7 +129,7 @@ class LookupService:
             candidates = None
         try:
             if candidates is None:
-                candidates = self._candidates(chain, msg.start, msg.limit)
+                candidates = self._candidates(chain, msg.start, msg.limit, msg.spans)
             for hit in candidates[:2]:  # the next one if an object went between check and pin
                 h = self._pin(msg.req_id, chain, msg.start, hit, loaded)
                 if h is not None:
@@ -187,12 +187,15 @@ class LookupService:
         self.store.release(hit.pinned)
 
     # -- helpers ----------------------------------------------------------------------
-    def _candidates(self, chain: list[bytes], start: int, limit: int) -> list[int]:
+    def _candidates(self, chain: list[bytes], start: int, limit: int,
+                    spans=()) -> list[int]:
+        """Hit lengths this rank can serve, longest first, none ending inside a span."""
         if limit <= start or not chain:
             return []
         resident = self.store.resident(chain)
-        return servable_hits(self.layout, self.chunk_size, len(chain),
+        hits = servable_hits(self.layout, self.chunk_size, len(chain),
                              lambda g, c: c in resident[g], start, limit)
+        return [h for h in hits if not any(a < h < b for a, b in spans)]
 
     def _pin(self, req_id: str, chain: list[bytes], start: int, hit: int,
              loaded: set) -> Hit | None:
