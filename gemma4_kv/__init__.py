@@ -2,5 +2,6 @@
 
 __version__ = "0.1.0"
 
-FORMAT_VERSION = 1
-"""Version of the stored chunk format (KV_2LTD objects per group); part of every key."""
+FORMAT_VERSION = 2
+"""Version of the stored chunk format (KV_2LTD objects per group, their trailer's
+checksum); part of every key. 2: the checksum over 32-bit words."""

@@ -1,5 +1,6 @@
 """Object trailers: the checksum is plain modular arithmetic (checked against a numpy
-uint64 oracle), catches any changed word, binds the key, and is the same on CPU and GPU."""
+uint64 oracle), catches any changed word and the high-bit damage that a sum of 64-bit
+words mod 2**64 let through, binds the key, and is the same on CPU and GPU."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ from paged import random_bits
 
 
 def oracle(t: torch.Tensor, key: int) -> int:
-    x = t.contiguous().reshape(-1).view(torch.uint8).numpy().view(np.uint64)
+    """The definition, in numpy: unsigned 32-bit words times the weights (each below
+    2**31, odd), summed mod 2**64."""
+    x = t.contiguous().reshape(-1).view(torch.uint8).numpy().view(np.uint32).astype(np.uint64)
     w = integrity.weights(x.size).numpy().view(np.uint64)
+    assert (w < (1 << 31)).all() and (w & 1).all()
     with np.errstate(over="ignore"):
         s = int((x * w).sum(dtype=np.uint64))
     return (s + key) % (1 << 64)
@@ -54,6 +58,50 @@ def test_any_changed_word_a_truncation_or_another_key_fails():
     assert not integrity.verify(t, zeros, key)
 
 
+def _sealed(t, key):
+    trailer = torch.empty(integrity.SEAL_SHAPE, dtype=integrity.SEAL_DTYPE)
+    integrity.seal(t, trailer, key)
+    return trailer
+
+
+def test_high_bit_damage_fails_every_time():
+    """The cases a sum of 64-bit words mod 2**64 passed: bit 63 flipped in two words
+    (every time), the sign of every 4th bf16 of a 4 KiB page, random top-byte damage
+    (9 of 2,000 passed)."""
+    gen = torch.Generator().manual_seed(3)
+    t = random_bits((2, 2, 256, 64), torch.bfloat16, generator=gen)
+    key = integrity.key64("fp", b"c" * 32, 0)
+    trailer = _sealed(t, key)
+    n64 = t.numel() // 4
+    for _ in range(200):
+        i, j = torch.randperm(n64, generator=gen)[:2].tolist()
+        bad = t.clone()
+        bad.view(-1).view(torch.int64)[[i, j]] ^= -(1 << 63)  # bit 63 of both
+        assert not integrity.verify(bad, trailer, key)
+    for page in range(0, t.numel() * 2, 4096):
+        bad = t.clone()
+        bf = bad.view(-1).view(torch.int16)
+        lo = page // 2
+        bf[lo:lo + 2048:4] ^= -(1 << 15)  # the sign bit of every 4th bf16 in the page
+        assert not integrity.verify(bad, trailer, key)
+    raw = t.view(-1).view(torch.uint8)
+    for _ in range(2000):
+        bad = raw.clone()
+        k = int(torch.randint(1, 5, (1,), generator=gen))
+        where = torch.randint(0, raw.numel() // 8, (k,), generator=gen) * 8 + 7
+        bad[where] ^= torch.randint(1, 256, (k,), generator=gen, dtype=torch.uint8)
+        assert not integrity.verify(bad.view(torch.bfloat16).view(t.shape), trailer, key)
+
+
+def test_objects_sealed_with_the_old_format_fail():
+    t = random_bits((2, 64), torch.bfloat16, generator=torch.Generator().manual_seed(4))
+    key = integrity.key64("fp", b"d" * 32, 1)
+    trailer = _sealed(t, key)
+    old = trailer.clone()
+    old[0] = 0x67346B7631  # "g4kv1"
+    assert integrity.verify(t, trailer, key) and not integrity.verify(t, old, key)
+
+
 @pytest.mark.cuda
 def test_gpu_and_cpu_checksums_are_equal():
     t = random_bits((6, 2, 10, 256, 512), torch.bfloat16,
@@ -62,3 +110,12 @@ def test_gpu_and_cpu_checksums_are_equal():
     on_gpu = integrity.seal_many(t.cuda(), keys).cpu()
     for k, key in enumerate(keys):
         assert integrity.verify(t[k], on_gpu[k], key)
+
+
+def test_both_widenings_give_the_unsigned_words():
+    """The CPU's uint32 view and the GPU's mask widen int32 words alike (checked here on
+    the CPU, where both run): by hand, -1 is 2**32 - 1 and INT32_MIN is 2**31."""
+    words = torch.tensor([-1, 0, 5, -(1 << 31), (1 << 31) - 1], dtype=torch.int32)
+    want = [(1 << 32) - 1, 0, 5, 1 << 31, (1 << 31) - 1]
+    assert integrity.widen(words, masked=False).tolist() == want
+    assert integrity.widen(words, masked=True).tolist() == want
