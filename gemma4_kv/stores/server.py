@@ -34,7 +34,8 @@ from ..layout.groups import KVLayout
 from ..layout.plan import hit_chunks
 from . import integrity
 from .base import ChunkStore, ChunkWrite, Pinned, Prefetch, Reservation
-from .server_tier import Lookup, MPServerTier, Write
+from .server_tier import Lookup, MPServerTier
+from .server_writes import Write
 from .server_wire import ServerUnavailable, runs
 
 logger = logging.getLogger(__name__)
