@@ -1,4 +1,7 @@
-"""Test set-up: Triton kernels run under the interpreter on machines without a GPU."""
+"""Test set-up: Triton kernels run under the interpreter on machines without a GPU;
+tests marked `cuda` are skipped without one (in CI too: CI has no GPU; a missing vLLM
+or LMCache is a failure there instead, tests/needs.py); no test may leave vLLM's
+engines switched to in-process for the rest of the run."""
 
 import os
 
@@ -16,9 +19,86 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("PYTHONHASHSEED", "0")
 
+MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+"""vLLM sets it to 0 in os.environ when it builds an external_launcher ParallelConfig;
+every engine started from this process afterwards (the harness inherits os.environ)
+would then run its engine core and worker inside the harness process."""
+
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "cuda" in item.keywords and not _HAS_CUDA:
             item.add_marker(skip)
+    items.sort(key=_engine_group)  # stable: the order within each group stays
+
+
+@pytest.fixture(autouse=True)
+def _engines_stay_out_of_process():
+    """Fail (and undo) a test that changes VLLM_ENABLE_V1_MULTIPROCESSING in os.environ."""
+    before = os.environ.get(MP_ENV)
+    yield
+    after = os.environ.get(MP_ENV)
+    if after != before:
+        if before is None:
+            os.environ.pop(MP_ENV, None)
+        else:
+            os.environ[MP_ENV] = before
+        pytest.fail(f"the test left {MP_ENV}={after!r} in os.environ (before: {before!r}): "
+                    "later engines of this run would run in-process; restore it "
+                    "(monkeypatch.setenv)", pytrace=False)
+
+
+# -- engines: one vLLM cache for the run, a pool for the modules that time nothing ----------
+def _engine_group(item) -> int:
+    """Order of the test run: tests that start no engine; the modules whose engines run
+    side by side (`engine_jobs`); the modules that time engines (`start_engines`), each
+    of their timed steps alone."""
+    mod = item.module
+    return 1 if hasattr(mod, "engine_jobs") else 2 if hasattr(mod, "start_engines") else 0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_cache_root(tmp_path_factory):
+    """One vLLM cache (VLLM_CACHE_ROOT) for every engine of this run: vLLM inspects a
+    model class in a subprocess of its own (~10 s) unless its cache has the answer."""
+    before = os.environ.get("VLLM_CACHE_ROOT")
+    os.environ["VLLM_CACHE_ROOT"] = str(tmp_path_factory.mktemp("vllm-cache", numbered=False))
+    yield os.environ["VLLM_CACHE_ROOT"]
+    if before is None:
+        os.environ.pop("VLLM_CACHE_ROOT", None)
+    else:
+        os.environ["VLLM_CACHE_ROOT"] = before
+
+
+@pytest.fixture(scope="session")
+def engine_pool(request, tmp_path_factory):
+    """Every engine of the selected tests, started on first use: the jobs of the modules
+    that time nothing (`engine_jobs(tmp_path_factory, selected)`: [(key, seconds, job[,
+    memory units])]; `selected`: the names of the module's selected tests, with and
+    without parameters) side by side, longest first; the timed modules' engines
+    (`start_engines(tmp_path_factory, selected)`: their state, engines waiting at their
+    gates) when the module first asks, once every pool job has finished, one module at
+    a time (the previous one's engines closed), so nothing else runs beside its timed
+    steps."""
+    from e2e_common import EnginePool, pool_slots
+
+    selected: dict = {}
+    for item in request.session.items:
+        if "engine_pool" in item.fixturenames and _engine_group(item):
+            selected.setdefault(item.module, set()).update({item.originalname, item.name})
+    jobs, lazy = [], {}
+    for mod, names in selected.items():
+        if hasattr(mod, "engine_jobs"):
+            for key, cost, fn, *units in mod.engine_jobs(tmp_path_factory, names):
+                jobs.append((cost, (mod.__name__, key), fn, units[0] if units else 1))
+        else:
+            lazy[(mod.__name__, "start")] = \
+                lambda mod=mod, names=names: mod.start_engines(tmp_path_factory, names)
+    pool = EnginePool(pool_slots())
+    for _, key, fn, units in sorted(jobs, key=lambda j: -j[0]):
+        pool.submit(key, fn, units)
+    for key, fn in lazy.items():
+        pool.later(key, fn)
+    yield pool
+    pool.close()

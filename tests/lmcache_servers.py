@@ -1,5 +1,6 @@
 """A real `lmcache server` process for tests (the command line the README shows):
-free ports, its own shared-memory L1, its HTTP status page as the oracle."""
+free ports, its own shared-memory L1, its HTTP status page as the oracle. No `lmcache`
+CLI or server dependencies: a skip, a failure in CI (tests/needs.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-import pytest
-
 from gemma4_kv.stores.server_wire import server_argv
+from needs import skip_or_fail
 
 ENV = dict(os.environ, LMCACHE_DISABLE_BANNER="1", LMCACHE_TRACK_USAGE="false")
 
@@ -39,7 +39,7 @@ class Server:
     def __init__(self, l1_gb: float = 0.25, log_dir: str = "/tmp"):
         self.exe = lmcache_bin()
         if self.exe is None:
-            pytest.skip("the lmcache CLI is not installed")
+            skip_or_fail("the lmcache CLI is not installed")
         self.port = free_port()
         self.shm = f"g4kvtest{uuid.uuid4().hex[:10]}"
         self.url = f"tcp://127.0.0.1:{self.port}"
@@ -59,8 +59,8 @@ class Server:
                 self.log.seek(0)
                 text = self.log.read()
                 if "requires the full lmcache installation" in text:
-                    pytest.skip("`lmcache server` lacks its server dependencies (httpx, "
-                                "uvicorn, blake3) in this environment")
+                    skip_or_fail("`lmcache server` lacks its server dependencies (httpx, "
+                                 "uvicorn, blake3) in this environment")
                 raise RuntimeError(f"lmcache server exited:\n{text[-3000:]}")
             if time.monotonic() > deadline:
                 self.stop()

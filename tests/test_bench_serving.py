@@ -25,6 +25,8 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_serving.py"
 
 SERVING_TEST = "test_serving_benchmark_runs_on_cpu"
 LOOP_TEST = "test_a_loop_larger_than_the_cpu_tier_keeps_hitting_on_a_stable_subset"
+RUNS = ("fits,over", "chat", "zipf")
+"""Scenario runs of the serving smoke test, side by side; `zipf` repeats prompts."""
 
 
 def _bench(tmp_path, args):
@@ -44,10 +46,15 @@ def _loop_cpu_gb() -> float:
 def engine_jobs(tmp_path_factory, selected):
     jobs = []
     if SERVING_TEST in selected:
-        jobs.append(("serving", 70.0, lambda: _bench(tmp_path_factory.mktemp("serving"), [
-            "--tiny", "--inproc", "--parallel", "--systems", "none,gemma4-kv,offloading",
-            "--fits-rounds", "2", "--over-docs", "3", "--over-rounds", "2",
-            "--chat-turns", "2", "--settle-s", "0.1"])))
+        # Runs side by side (each starts its own engines): one run of all five
+        # scenarios was the longest job of the test run (585 s on 2 cores).
+        for run in RUNS:
+            jobs.append((("serving", run), 70.0, lambda run=run: _bench(
+                tmp_path_factory.mktemp(f"serving-{run.replace(',', '-')}"), [
+                    "--tiny", "--inproc", "--parallel", "--systems",
+                    "none,gemma4-kv,offloading", "--scenarios", run, "--fits-rounds", "2",
+                    "--over-docs", "3", "--over-rounds", "2", "--chat-turns", "2",
+                    "--settle-s", "0.1"]), 2))  # --parallel: 2 engines at once
     if LOOP_TEST in selected:
         jobs.append(("loop", 60.0, lambda: _bench(tmp_path_factory.mktemp("loop"), [
             "--tiny", "--inproc", "--systems", "gemma4-kv", "--scenarios", "loop",
@@ -56,27 +63,42 @@ def engine_jobs(tmp_path_factory, selected):
     return jobs
 
 
-def test_serving_benchmark_runs_on_cpu(engine_pool):
-    proc, out = engine_pool.result((__name__, "serving"))
+def _summary(engine_pool, run) -> dict:
+    proc, out = engine_pool.result((__name__, ("serving", run)))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "target fits_cold_vs_none" in proc.stdout  # the table and the targets
     summary = json.loads((out / "serving.json").read_text())
-    systems = summary["systems"]
-    assert "skipped" in systems["offloading"]["skipped"]
-    assert "needs CUDA" in systems["offloading"]["skipped"]
-    none, ours = systems["none"], systems["gemma4-kv"]
-    assert none["done"] and ours["done"]
-    sizes = ours["sizes"]
+    summary["stdout"] = proc.stdout
+    return summary
 
-    for r in (none, ours):
-        for name, n in (("fits", 2), ("over", 2), ("chat", 2)):
-            rounds = r["scenarios"][name]["rounds"]
-            assert [x["kind"] for x in rounds] == ["cold"] + ["warm"] * (n - 1)
+
+def test_serving_benchmark_runs_on_cpu(engine_pool):
+    by_run = {run: _summary(engine_pool, run) for run in RUNS}
+    runs = {sc: s for run, s in by_run.items() for sc in run.split(",")}
+    assert "target fits_cold_vs_none" in runs["fits"]["stdout"]  # the table and targets
+    for summary in by_run.values():
+        # First tokens: the same as without a connector (CPU float32), and a prompt
+        # asked again gives the token it gave the first time.
+        ex = summary["exactness"]["gemma4-kv"]
+        assert ex["compared_with_none"] > 0 and ex["differ_from_none"] == 0
+        assert ex["differ_from_first_time"] == 0
+    assert by_run["zipf"]["exactness"]["gemma4-kv"]["repeated_prompts"] > 0
+    for sc in ("fits", "over", "chat"):
+        summary = runs[sc]
+        systems = summary["systems"]
+        assert "skipped" in systems["offloading"]["skipped"]
+        assert "needs CUDA" in systems["offloading"]["skipped"]
+        none, ours = systems["none"], systems["gemma4-kv"]
+        assert none["done"] and ours["done"]
+        for r in (none, ours):
+            rounds = r["scenarios"][sc]["rounds"]
+            assert [x["kind"] for x in rounds] == ["cold", "warm"]
             assert rounds[0]["store_share"] == 0
             assert all(x["requests"] == len(x["req"]) > 0 for x in rounds)
             assert all(q["ttft_from_metrics"] for x in rounds for q in x["req"])
-    assert all(x["store_tokens"] == 0 for sc in none["scenarios"].values()
-               for x in sc["rounds"])
+        assert all(x["store_tokens"] == 0 for x in none["scenarios"][sc]["rounds"])
+    summary = runs["fits"]
+    ours = summary["systems"]["gemma4-kv"]
+    sizes = ours["sizes"]
 
     # Cold long-doc round: each document stored once, as the planner retains it.
     fits = ours["scenarios"]["fits"]["rounds"]
@@ -91,15 +113,9 @@ def test_serving_benchmark_runs_on_cpu(engine_pool):
     assert warm["stored_bytes"] == 0 and warm["loaded_bytes"] > 0
 
     # Chat: the second turn's hit reaches into the first turn's answer.
-    chat = ours["scenarios"]["chat"]["rounds"]
+    chat = runs["chat"]["systems"]["gemma4-kv"]["scenarios"]["chat"]["rounds"]
     assert chat[1]["includes_answer"] == 1.0 and chat[1]["covers_history"] == 1.0
-    assert summary["targets"]["chat_turns_hit_answers"]["met"]
-
-    # First tokens: the same as without a connector (CPU float32), and repeated prompts
-    # give the token they gave the first time.
-    ex = summary["exactness"]["gemma4-kv"]
-    assert ex["compared_with_none"] > 0 and ex["differ_from_none"] == 0
-    assert ex["repeated_prompts"] > 0 and ex["differ_from_first_time"] == 0
+    assert runs["chat"]["targets"]["chat_turns_hit_answers"]["met"]
 
 
 def test_a_loop_larger_than_the_cpu_tier_keeps_hitting_on_a_stable_subset(engine_pool):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pickle
 
-import pytest
+from needs import require
 
-pytest.importorskip("vllm")
+require("vllm")
 
 from gemma4_kv.connector import Gemma4KVConnector  # noqa: E402
 from gemma4_kv.connector.metrics import COUNTERS, Gemma4KVStats  # noqa: E402

@@ -23,6 +23,8 @@ import random
 import pytest
 import torch
 
+from needs import require
+
 from e2e_common import CHUNK, RETENTION, prompts, run_harness, stats_events
 from eagle_draft import tiny_eagle3_config
 from gemma4_kv.tools.harness import save_config, tiny_gemma4_config
@@ -31,7 +33,7 @@ from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
 from gemma4_kv.layout.plan import hit_ends, needed_blocks, retained_chunks
 from model_keys import max_servable_hit
 
-pytest.importorskip("vllm")
+require("vllm")
 pytestmark = pytest.mark.vllm
 
 SPEC_TOKENS = 2
@@ -155,16 +157,15 @@ def _expected(layout, requests):
     return hits, objects
 
 
-@pytest.mark.parametrize("name", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_eagle3_draft_kv_is_stored_loaded_and_final(tmp_path, name):
-    platform = PLATFORMS[name]
+def _runs(tmp_path, platform):
+    """Both engines, one after the other (the connector engine's recomputation prompts
+    come from the first one's outputs)."""
     cfg = tiny_gemma4_config(window=100)
     model = save_config(cfg, tmp_path / "model")
     draft = save_config(tiny_eagle3_config(cfg), tmp_path / "draft")
     steps = _steps()
     base, _ = _run(tmp_path, "base", model, draft, steps, connector=False, platform=platform)
     sent = [p for s in steps for p in s["prompts"]]
-    n = len(sent)
     # Recomputation: every sequence once more as one prefill under its own salt (no
     # hits, the drafter runs: at most MAX_LEN - 1 - SPEC_TOKENS tokens).
     seqs = {tuple((p + o)[:MAX_LEN - 1 - SPEC_TOKENS]): None
@@ -175,6 +176,28 @@ def test_eagle3_draft_kv_is_stored_loaded_and_final(tmp_path, name):
                         {"prompts": refs, "max_tokens": 1},
                         {"call": "kv_probe:report", "kwargs": {"rtol": platform["rtol"]}}],
                        connector=True, platform=platform)
+    return cfg, steps, sent, refs, base, out, events
+
+
+CPU_TEST = "test_eagle3_draft_kv_is_stored_loaded_and_final[cpu]"
+
+
+def engine_jobs(tmp_path_factory, selected):
+    """The CPU case's engines beside other modules' (tests/conftest.py `engine_pool`):
+    nothing here depends on time."""
+    if CPU_TEST not in selected:
+        return []
+    return [("cpu", 160.0, lambda: _runs(tmp_path_factory.mktemp("eagle-cpu"), PLATFORMS["cpu"]))]
+
+
+@pytest.mark.parametrize("name", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_eagle3_draft_kv_is_stored_loaded_and_final(engine_pool, tmp_path, name):
+    platform = PLATFORMS[name]
+    if name == "cpu":
+        cfg, steps, sent, refs, base, out, events = engine_pool.result((__name__, "cpu"))
+    else:
+        cfg, steps, sent, refs, base, out, events = _runs(tmp_path, platform)
+    n = len(sent)
     assert out["steps"][1]["result"] == [True]
     report = out["steps"][-1]["result"][0]
     assert out["outputs"][:n] == base["outputs"], "greedy tokens differ from recomputation"

@@ -190,7 +190,9 @@ class Engines:
         try:
             model = save_config(tiny_gemma4_config(window=100),
                                 tmp_path_factory.mktemp("model"))
+            # one engine starting at a time in this pool slot (tests/conftest.py)
             REFERENCE.start(tmp_path_factory)
+            REFERENCE.ready()
             if selected - {FROZEN_TEST}:
                 tmp = tmp_path_factory.mktemp("faults")
                 disk = str(tmp / "disk")
@@ -200,6 +202,7 @@ class Engines:
                      "inner": {"type": "fs_native", "base_path": disk, "num_workers": 2}}]}
                 self.faults = start(tmp, "faults", model, self.script.steps, connector=True,
                                     extra=extra, connector_class="FaultsConnector")
+                self.faults[0].wait_ready()
             if FROZEN_TEST in selected:
                 from tier_servers import TierServer, require_server
 
@@ -212,10 +215,7 @@ class Engines:
                 self.frozen = start(tmp, "frozen", model, self.frozen_script.steps,
                                     connector=True, extra=extra,
                                     connector_class="FaultsConnector")
-            REFERENCE.ready()
-            for started in (self.faults, self.frozen):
-                if started:
-                    started[0].wait_ready()
+                self.frozen[0].wait_ready()
         except BaseException:
             self.close()
             raise

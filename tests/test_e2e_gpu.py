@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from needs import require
 from e2e_common import (check_against_plan, run_engine, run_mtp_case, save_config,
                         tiny_gemma4_config)
 
@@ -39,7 +40,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_gpu_connector_matches_recomputation(tmp_path, variant):
-    pytest.importorskip("vllm")
+    require("vllm")
     cfg = tiny_gemma4_config(**VARIANTS[variant])
     model = save_config(cfg, tmp_path / "model")
     engine = {**ENGINE, **({"max_num_batched_tokens": 512} if "chunked" in variant else {})}
@@ -58,5 +59,5 @@ def test_gpu_connector_matches_recomputation(tmp_path, variant):
 
 
 def test_gpu_mtp_outputs_and_acceptance_identical(tmp_path):
-    pytest.importorskip("vllm")
+    require("vllm")
     run_mtp_case(tmp_path, engine=ENGINE, check=CHECK, env=ENV, preload=PRELOAD)

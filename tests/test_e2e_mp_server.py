@@ -5,15 +5,16 @@
 2. A restarted (a new process, same configuration) still hits everything;
 3. the server is killed while A serves: every later prompt is a miss, tokens are still
    identical, and no request stalls beyond LATENCY_SLACK_S over a cold one.
+
+The three engines (A, B, A restarted) start side by side (tests/conftest.py
+`engine_pool`, `start_engines`) and wait at their gates; then they run their steps as
+described, with no other engine computing meanwhile (B waits until A has stored, A
+restarted until A and B have exited).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import signal
-import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -21,11 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from e2e_common import CHUNK, harness_command, save_config, stats_events, tiny_gemma4_config
+from needs import require
+
+from e2e_common import CHUNK, Harness, save_config, stats_events, tiny_gemma4_config
 from gemma4_kv.layout.from_hf import hf_layout
 from lmcache_servers import Server
+from tiny_reference import ENGINE as REF_ENGINE, REFERENCE, want
 
-pytest.importorskip("vllm")
+require("vllm")
 pytestmark = pytest.mark.vllm
 
 BLOCK = 32
@@ -44,65 +48,102 @@ P = [[_rng.randrange(3, 500) for _ in range(1100)] for _ in range(2)]  # stored 
 Q = [[_rng.randrange(3, 500) for _ in range(800)] for _ in range(2)]  # stored by B
 
 
+want(P + Q)  # the recomputation engine (no connector) answers them too
+
+
 def hit(n: int) -> int:
     """Hit of a prompt of n tokens when all its chunks are stored (64: block multiple)."""
     return min(n // CHUNK * CHUNK, (n - 1) // 64 * 64)
 
 
 def launch(tmp_path: Path, name: str, model: str, url: str, steps: list) -> tuple:
+    """An engine on the server, started; it waits at its gate (`finish` opens it)."""
     stats = tmp_path / f"{name}.stats.jsonl"
     spec = {"model": model, "connector": True, "max_tokens": 6, "engine": ENGINE,
             "extra_config": {"lmcache_server": url, "lmcache_server_timeout_s": TIMEOUT,
                              "stats_file": str(stats)},
             "steps": steps}
-    cmd, env, out_path = harness_command(tmp_path, name, spec)
-    log = open(tmp_path / f"{name}.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    return proc, out_path, stats, tmp_path / f"{name}.log"
+    return Harness(tmp_path, name, spec, gate=True, timeout=600), stats
 
 
-def finish(run: tuple, timeout: float = 600) -> tuple[dict, list]:
-    proc, out_path, stats, log = run
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == 0, log.read_text()[-8000:]
-    return json.loads(out_path.read_text()), stats_events(stats)
+def finish(run: tuple) -> tuple[dict, list]:
+    harness, stats = run
+    if not harness.gate.exists():
+        harness.open()
+    out, _ = harness.result()
+    return out, stats_events(stats)
 
 
 def wait_for(path: Path, run: tuple, timeout: float = 600) -> None:
+    harness = run[0]
     deadline = time.monotonic() + timeout
     while not path.exists():
-        assert run[0].poll() is None, run[3].read_text()[-8000:]
+        assert harness.running(), harness.tail()
         assert time.monotonic() < deadline
         time.sleep(0.2)
 
 
-def test_engines_share_one_lmcache_server(tmp_path):
-    cfg = tiny_gemma4_config(window=WINDOW)
-    model = save_config(cfg, tmp_path / "model")
+class Engines:
+    """The server, and A, B and A restarted on it, each waiting at its gate."""
+
+    def __init__(self, tmp_path_factory):
+        self.server, self.runs = None, {}
+        try:
+            tmp = self.tmp = tmp_path_factory.mktemp("mp-server")
+            self.cfg = cfg = tiny_gemma4_config(window=WINDOW)
+            model = save_config(cfg, tmp / "model")
+            assert ENGINE == REF_ENGINE  # the same engine, only without the connector
+            REFERENCE.start(tmp_path_factory)
+            REFERENCE.ready()
+            self.server = server = Server(l1_gb=0.5, log_dir=str(tmp))
+            self.ready, self.go = tmp / "a.ready", tmp / "b.done"
+            kind = {"call": "mp_server_steps:store_kind"}
+            scripts = {
+                "a": [kind, {"prompts": P},
+                      {"call": "mp_server_steps:signal_and_wait",
+                       "kwargs": {"ready": str(self.ready), "go": str(self.go)}},
+                      {"prompts": Q}],
+                "b": [{"prompts": P}, {"prompts": Q}],
+                "a2": [{"prompts": P + Q},
+                       {"call": "mp_server_steps:kill_server",
+                        "kwargs": {"pid": server.proc.pid}},
+                       {"prompts": P + Q[:1]}]}
+            for name, steps in scripts.items():  # one starting at a time in this slot
+                self.runs[name] = launch(tmp, name, model, server.url, steps)
+                self.runs[name][0].wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self):
+        for harness, _ in self.runs.values():
+            harness.kill()
+        if self.server:
+            self.server.stop()
+
+
+def start_engines(tmp_path_factory, selected):
+    return Engines(tmp_path_factory)
+
+
+def test_engines_share_one_lmcache_server(engine_pool):
+    engines = engine_pool.result((__name__, "start"))
+    engine_pool.drain()  # no other engine runs from here on
+    cfg, runs = engines.cfg, engines.runs
+    recomputed = {p: out for p, (out, _) in REFERENCE.run().items()}
     layout = hf_layout(cfg, dtype=torch.float32, block_size=BLOCK)
-    server = Server(l1_gb=0.5, log_dir=str(tmp_path))
     try:
-        ready, go = tmp_path / "a.ready", tmp_path / "b.done"
-        kind = {"call": "mp_server_steps:store_kind"}
-        a = launch(tmp_path, "a", model, server.url, [
-            kind, {"prompts": P},
-            {"call": "mp_server_steps:signal_and_wait",
-             "kwargs": {"ready": str(ready), "go": str(go)}},
-            {"prompts": Q}])
-        wait_for(ready, a)
-        b_out, b_events = finish(launch(tmp_path, "b", model, server.url,
-                                        [{"prompts": P}, {"prompts": Q}]))
-        go.touch()
+        a = runs["a"]
+        a[0].open()
+        wait_for(engines.ready, a)
+        b_out, b_events = finish(runs["b"])
+        engines.go.touch()
         a_out, a_events = finish(a)
         assert a_out["steps"][0]["result"] == ["ServerStore"]
         a_cold, a_q = a_out["steps"][1], a_out["steps"][3]
         b_p, b_cold = b_out["steps"]
         ref = dict(zip(map(tuple, P + Q), a_cold["outputs"] + b_cold["outputs"]))
+        assert ref == {tuple(p): recomputed[tuple(p)] for p in P + Q}  # no connector
         assert a_cold["cached"] == [0, 0] and b_cold["cached"] == [0, 0]
         assert b_p["cached"] == [hit(len(p)) for p in P]  # B hits what A stored
         assert a_q["cached"] == [hit(len(q)) for q in Q]  # and A what B stored
@@ -128,10 +169,7 @@ def test_engines_share_one_lmcache_server(tmp_path):
                     assert blocks == e["end"] // g.block_size
 
         # A restarted keeps its hits; then the server dies under it.
-        again_out, _ = finish(launch(tmp_path, "a2", model, server.url, [
-            {"prompts": P + Q},
-            {"call": "mp_server_steps:kill_server", "kwargs": {"pid": server.proc.pid}},
-            {"prompts": P + Q[:1]}]))
+        again_out, _ = finish(runs["a2"])
         warm, _, down = again_out["steps"]
         assert warm["cached"] == [hit(len(p)) for p in P + Q]
         assert warm["outputs"] == [ref[tuple(p)] for p in P + Q]
@@ -142,4 +180,4 @@ def test_engines_share_one_lmcache_server(tmp_path):
         print(f"\nTTFT (s): cold {a_cold['ttft']} {b_cold['ttft']}, hits {b_p['ttft']} "
               f"{a_q['ttft']}, restart hits {warm['ttft']}, server down {down['ttft']}")
     finally:
-        server.stop()
+        engines.close()

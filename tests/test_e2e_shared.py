@@ -1,6 +1,7 @@
 """Engines sharing one real Redis/Valkey server (LMCache's `valkey` tier), in real vLLM.
 
-One recomputation run gives the tokens every engine must produce. Engine A (empty
+One recomputation run (tests/tiny_reference.py) gives the tokens every engine must
+produce. Engine A (empty
 server) runs the usual prompts; engine B, another process with an empty CPU tier, hits
 what A stored; A restarted (a new process) hits too. Then, in that engine, the server
 is killed between two steps and the engine keeps serving: misses beyond its CPU tier
@@ -10,6 +11,10 @@ stores into it again and, with its CPU tier emptied, hits from it.
 The test stops the server from a thread of its own, at a point the engine waits for:
 a harness step runs `rendezvous` on the worker, which writes `<name>.ready` and waits
 for `<name>.go`.
+
+Engines A, B and A restarted start side by side (tests/conftest.py `engine_pool`,
+`start_engines`), each waiting at its gate, and then run one after the other, alone:
+B's lookups come after A has finished, and A restarted is another process than A.
 """
 
 from __future__ import annotations
@@ -22,19 +27,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from e2e_common import (CHUNK, RETENTION, check_against_plan, expected_store, prompts,
-                        run_engine, save_config, tiny_gemma4_config)
+from e2e_common import (CHUNK, RETENTION, check_against_plan, expected_store, finish_engine,
+                        prompts, save_config, start_engine, tiny_gemma4_config)
 from gemma4_kv.layout.from_hf import hf_layout
 from gemma4_kv.keys.request import chunk_keys
 from gemma4_kv.layout.plan import hit_chunks, hit_ends, retained_chunks
 from model_keys import max_servable_hit
+from needs import require
 from tier_servers import TierServer, require_server
+from tiny_reference import REFERENCE, want
+import tiny_reference
 
-pytest.importorskip("vllm")
+require("vllm")
 pytestmark = pytest.mark.vllm
 
 BLOCK = 32
 ENGINE = {"dtype": "float32", "block_size": BLOCK}
+# what start_engine runs (max_tokens 6) is what the reference engine runs
+assert {"enforce_eager": True, "max_model_len": 4096, **ENGINE} == tiny_reference.ENGINE
+assert tiny_reference.MAX_TOKENS == 6
 REQUEST_TIMEOUT = 0.5  # the valkey adapter's per-request timeout
 LOOKUP_TIMEOUT = 2.0  # the connector's lookup_timeout_s (its default)
 TTFT_SLACK = 1.5
@@ -60,6 +71,7 @@ def _tokens(seed: int, n: int) -> list[int]:
 BASE, OTHER = prompts()[0], prompts()[-1][1100:]
 THIRD, FOURTH, FIFTH = _tokens(1, 800), _tokens(2, 700), _tokens(3, 600)
 B_PROMPTS = [BASE, BASE + OTHER, THIRD]
+want(prompts() + [THIRD, FOURTH, FIFTH])
 
 
 # -- on the worker (harness "call" steps) ---------------------------------------------------
@@ -174,37 +186,71 @@ def by_source(out: dict) -> list[dict]:
     return rows
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every engine of this file, once: recomputation, A, B, A restarted with the server
-    killed and restarted mid-run. Each check below reads these runs."""
-    require_server()
-    tmp = tmp_path_factory.mktemp("shared")
-    cfg = tiny_gemma4_config(window=100)
-    model = save_config(cfg, tmp / "model")
-    layout = hf_layout(cfg, dtype=torch.float32, block_size=BLOCK)
-    server = TierServer(workdir=tmp / "server").start()
-    extra = {"lookup_timeout_s": LOOKUP_TIMEOUT,
-             "l2_adapters": [server.valkey_spec(request_timeout=REQUEST_TIMEOUT,
-                                                connection_timeout=1.0)]}
-    r = {"cfg": cfg, "layout": layout, "server": server}
-    try:
-        distinct = list({tuple(p): p for p in prompts() + [THIRD, FOURTH, FIFTH]}.values())
-        r["base"], _ = run_engine(tmp, "base", model, connector=False, engine=ENGINE,
-                                  steps=[{"prompts": distinct}], metrics=[SOURCES])
-        r["expected"] = {tuple(p): o for p, o in zip(distinct, r["base"]["outputs"])}
-        r["base_ttft"] = {tuple(p): t for p, t in zip(distinct, r["base"]["ttft"])}
+class Engines:
+    """A, B and A restarted, started side by side on an empty server; each waits at its
+    gate. A restarted's script stops the server from the test's side (`Conductor`)."""
 
-        r["a"], r["a_events"] = run_engine(tmp, "a", model, connector=True, engine=ENGINE,
-                                           extra=extra, metrics=[SOURCES])
+    def __init__(self, tmp_path_factory):
+        self.server, self.engines = None, {}
+        try:
+            require_server()
+            tmp = tmp_path_factory.mktemp("shared")
+            cfg = tiny_gemma4_config(window=100)
+            model = save_config(cfg, tmp / "model")
+            self.r = {"cfg": cfg, "layout": hf_layout(cfg, dtype=torch.float32,
+                                                      block_size=BLOCK)}
+            self.server = TierServer(workdir=tmp / "server").start()
+            self.r["server"] = self.server
+            REFERENCE.start(tmp_path_factory)  # one engine starting at a time in this slot
+            REFERENCE.ready()
+            extra = {"lookup_timeout_s": LOOKUP_TIMEOUT,
+                     "l2_adapters": [self.server.valkey_spec(request_timeout=REQUEST_TIMEOUT,
+                                                             connection_timeout=1.0)]}
+            self.marks = tmp / "marks"
+            self.marks.mkdir()
+            a2_steps = [{"prompts": [BASE, THIRD]}, step("down", self.marks),
+                        {"prompts": [BASE + OTHER, FOURTH]}, step("up", self.marks),
+                        {"prompts": [FIFTH, FOURTH]},
+                        step("check", self.marks, drop_cpu_tier=True),
+                        {"prompts": [FIFTH, FOURTH]}]
+            for name, steps in (("a", None), ("b", [{"prompts": B_PROMPTS}]), ("a2", a2_steps)):
+                self.engines[name] = start_engine(tmp, name, model, connector=True,
+                                                  engine=ENGINE, extra=extra, steps=steps,
+                                                  metrics=[SOURCES], gate=True)
+                self.engines[name][0].wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self):
+        for harness, _ in self.engines.values():
+            harness.kill()
+        if self.server:
+            self.server.kill()
+
+
+def start_engines(tmp_path_factory, selected):
+    return Engines(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def runs(engine_pool):
+    """Every engine of this file, once: recomputation, A, B, A restarted with the server
+    killed and restarted mid-run, one after the other, no other engine running. Each
+    check below reads these runs."""
+    state = engine_pool.result((__name__, "start"))
+    engine_pool.drain()
+    r, server, layout = state.r, state.server, state.r["layout"]
+    try:
+        ref = REFERENCE.run()
+        r["expected"] = {p: o for p, (o, _) in ref.items()}
+        r["base_ttft"] = {p: t for p, (_, t) in ref.items()}
+
+        r["a"], r["a_events"] = finish_engine(state.engines["a"])
         r["keys_after_a"] = set(wire_keys_wait(server, len(expected_store(layout)[1])))
-        r["b"], r["b_events"] = run_engine(tmp, "b", model, connector=True, engine=ENGINE,
-                                           extra=extra, steps=[{"prompts": B_PROMPTS}],
-                                           metrics=[SOURCES])
+        r["b"], r["b_events"] = finish_engine(state.engines["b"])
         r["keys_after_b"] = set(server.keys())
 
-        marks = tmp / "marks"
-        marks.mkdir()
         times = {}
 
         def down():
@@ -219,16 +265,10 @@ def runs(tmp_path_factory):
         def check():
             r["keys_after_restart"] = set(wire_keys_wait(server, 1))
 
-        conductor = Conductor(marks, {"down": down, "up": up, "check": check})
+        conductor = Conductor(state.marks, {"down": down, "up": up, "check": check})
         conductor.start()
-        steps = [{"prompts": [BASE, THIRD]}, step("down", marks),
-                 {"prompts": [BASE + OTHER, FOURTH]}, step("up", marks),
-                 {"prompts": [FIFTH, FOURTH]}, step("check", marks, drop_cpu_tier=True),
-                 {"prompts": [FIFTH, FOURTH]}]
         try:
-            r["a2"], r["a2_events"] = run_engine(tmp, "a2", model, connector=True,
-                                                 engine=ENGINE, extra=extra, steps=steps,
-                                                 metrics=[SOURCES])
+            r["a2"], r["a2_events"] = finish_engine(state.engines["a2"])
         finally:
             conductor.done.set()
             conductor.join(10)
@@ -236,7 +276,7 @@ def runs(tmp_path_factory):
             raise conductor.error
         yield r
     finally:
-        server.kill()
+        state.close()
 
 
 def wire_keys_wait(server: TierServer, n: int, bound: float = 10.0) -> list[str]:

@@ -1,6 +1,9 @@
 """End to end in real vLLM (CPU build): tiny random-weight Gemma 4 models, the same
 prompts with and without the connector. Greedy outputs must be identical, cached
-tokens and bytes loaded per group must be what the planner predicts."""
+tokens and bytes loaded per group must be what the planner predicts.
+
+The engines of every case run side by side with other modules' (tests/conftest.py
+`engine_pool`, `engine_jobs` below); nothing here depends on time."""
 
 from __future__ import annotations
 
@@ -8,48 +11,86 @@ import pytest
 import torch
 
 from gemma4_kv.layout.from_hf import hf_layout
-from e2e_common import (CHUNK, check_against_plan, prompts, run_engine, run_mtp_case,
-                        save_config, tiny_gemma4_config)
+from e2e_common import (CHUNK, check_against_plan, check_mtp_case, mtp_case_runs, prompts,
+                        run_engine, save_config, tiny_gemma4_config)
+from needs import require
 
-pytest.importorskip("vllm")
+require("vllm")
 pytestmark = pytest.mark.vllm
 
 BLOCK = 32  # vLLM --block-size: sliding groups get 64-token blocks, full ones 32
 WINDOW = 100  # smaller than every prompt and than a chunk
 ENGINE = {"dtype": "float32", "block_size": BLOCK}
 CHECK = {"dtype": torch.float32, "block_size": BLOCK}
+VARIANTS = ["plain", "kv_shared_chunked_prefill"]
 
 
-@pytest.mark.parametrize("variant", ["plain", "kv_shared_chunked_prefill"])
-def test_connector_matches_recomputation(tmp_path, variant):
+def _variant(variant):
     shared = variant != "plain"
     cfg = tiny_gemma4_config(kv_shared=4 if shared else 0, window=WINDOW)
-    model = save_config(cfg, tmp_path / "model")
     engine = {**ENGINE, **({"max_num_batched_tokens": 512} if shared else {})}
-    base, _ = run_engine(tmp_path, "base", model, connector=False, engine=engine)
-    out, events = run_engine(tmp_path, "conn", model, connector=True, engine=engine)
+    return cfg, engine
+
+
+def engine_jobs(tmp_path_factory, selected):
+    """[(key, seconds, job)]: each engine of each selected case on its own; the
+    consumer of the disk case after its producer."""
+    jobs = []
+    if "test_connector_matches_recomputation" in selected:
+        for variant in VARIANTS:
+            cfg, engine = _variant(variant)
+            tmp = tmp_path_factory.mktemp(variant)
+            model = save_config(cfg, tmp / "model")
+            runs = [("base", {"connector": False}), ("conn", {"connector": True})]
+            if variant != "plain":
+                runs.append(("broken", {"connector": True,
+                                        "connector_class": "SkipLoadConnector"}))
+            for name, kw in runs:
+                jobs.append(((variant, name), 40.0,
+                             lambda tmp=tmp, name=name, model=model, engine=engine, kw=kw:
+                             run_engine(tmp, name, model, engine=engine, **kw)))
+    if "test_second_engine_reuses_kv_from_the_disk_tier" in selected:
+        jobs.append(("disk", 80.0, lambda: _disk_runs(tmp_path_factory.mktemp("disk"))))
+    if "test_connector_with_mtp_assistant" in selected:
+        tmp = tmp_path_factory.mktemp("mtp")
+        for name, job in mtp_case_runs(tmp, engine=ENGINE).items():
+            jobs.append((("mtp", name), 50.0, job))
+    return jobs
+
+
+def _disk_runs(tmp):
+    cfg = tiny_gemma4_config(window=WINDOW)
+    model = save_config(cfg, tmp / "model")
+    disk = {"disk_path": str(tmp / "disk")}
+    producer, _ = run_engine(tmp, "producer", model, connector=True, engine=ENGINE,
+                             extra=disk, role="kv_producer")
+    consumer, events = run_engine(tmp, "consumer", model, connector=True, engine=ENGINE,
+                                  extra=disk, role="kv_consumer")
+    return cfg, producer, consumer, events
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_connector_matches_recomputation(engine_pool, variant):
+    shared = variant != "plain"
+    cfg, _ = _variant(variant)
+    base, _ = engine_pool.result((__name__, (variant, "base")))
+    out, events = engine_pool.result((__name__, (variant, "conn")))
     check_against_plan(cfg, events, out, base, **CHECK)
     if not shared:
         return
     # Negative control: the same hits with the blocks left unfilled must change tokens,
     # so the comparison above can fail.
-    broken, _ = run_engine(tmp_path, "broken", model, connector=True, engine=engine,
-                           connector_class="SkipLoadConnector")
+    broken, _ = engine_pool.result((__name__, (variant, "broken")))
     assert broken["cached"] == out["cached"]
     hits = [i for i, c in enumerate(out["cached"]) if c]
     assert any(broken["outputs"][i] != base["outputs"][i] for i in hits)
 
 
-def test_second_engine_reuses_kv_from_the_disk_tier(tmp_path):
+def test_second_engine_reuses_kv_from_the_disk_tier(engine_pool):
     """A kv_producer engine stores through LMCache's disk tier; a fresh kv_consumer
-    engine (another process, empty CPU tier) serves its hits from there."""
-    cfg = tiny_gemma4_config(window=WINDOW)
-    model = save_config(cfg, tmp_path / "model")
-    disk = {"disk_path": str(tmp_path / "disk")}
-    producer, _ = run_engine(tmp_path, "producer", model, connector=True, engine=ENGINE,
-                             extra=disk, role="kv_producer")
-    consumer, events = run_engine(tmp_path, "consumer", model, connector=True, engine=ENGINE,
-                                  extra=disk, role="kv_consumer")
+    engine (another process, empty CPU tier, started after the producer exited) serves
+    its hits from there."""
+    cfg, producer, consumer, events = engine_pool.result((__name__, "disk"))
     assert producer["cached"] == [0] * len(prompts())
     m = hf_layout(cfg, dtype=torch.float32, block_size=BLOCK).chunk_multiple
     assert consumer["cached"] == [min(len(p) // CHUNK * CHUNK, (len(p) - 1) // m * m)
@@ -58,5 +99,6 @@ def test_second_engine_reuses_kv_from_the_disk_tier(tmp_path):
     assert not [e for e in events if e["event"] == "save"]
 
 
-def test_connector_with_mtp_assistant(tmp_path):
-    run_mtp_case(tmp_path, engine=ENGINE, check=CHECK)
+def test_connector_with_mtp_assistant(engine_pool):
+    runs = {name: engine_pool.result((__name__, ("mtp", name))) for name in ("base", "conn")}
+    check_mtp_case(runs, check=CHECK)

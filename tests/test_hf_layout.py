@@ -8,13 +8,14 @@ import torch
 from gemma4_kv.tools.cli import bundled_config, main
 from gemma4_kv.layout.from_hf import hf_layout, layer_specs, load_text_config
 from gemma4_kv.layout.groups import AttentionKind
+from needs import require
 
 SHAPES = ["gemma4-31b-like", "gemma4-12b-like", "gemma4-e4b-like", "gemma4-e2b-like"]
 
 
 def vllm_groups(text_config, dtype, block_size):
     """Groups from vLLM's own planner for the specs these layers register."""
-    pytest.importorskip("vllm")
+    require("vllm")
     from vllm.config import CacheConfig, VllmConfig
     from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec

@@ -7,13 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from needs import require
+
 from gemma4_kv.tools.harness import save_config, tiny_gemma4_config
 from gemma4_kv.layout.from_hf import hf_layout, layer_specs
 from gemma4_kv.layout.groups import UnsupportedLayout, from_vllm
 from gemma4_kv.transfer.mover import BlockMoves, torch_gather, torch_scatter
 from paged import bits
 
-pytest.importorskip("vllm")
+require("vllm")
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,10 @@ import torch
 from gemma4_kv.transfer.mover import BlockMoves, torch_gather, torch_scatter
 from paged import bits, make_paged, random_bits
 from test_mover import make_group
+from needs import require
 
-lmc = pytest.importorskip("lmcache.v1.platform.torch_ops.mp_mem_kernels")
-native = pytest.importorskip("lmcache.lmcache_native")
+lmc = require("lmcache.v1.platform.torch_ops.mp_mem_kernels")
+native = require("lmcache.lmcache_native")
 
 
 def shape_desc(layers, blocks, heads, block_size, head_size, dtype):

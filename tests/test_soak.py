@@ -7,12 +7,15 @@ in benchmarks/results/)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
+from needs import require
+
+require("vllm")
 pytestmark = pytest.mark.vllm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -31,12 +34,35 @@ in the long run), so raw RSS is not flat; the connector's share was (within 19 M
 The engine core (the scheduler half) must grow less than this too."""
 
 
+def engine_jobs(tmp_path_factory, selected):
+    """The soak's two engines (one after the other), beside other modules' engines
+    (tests/conftest.py `engine_pool`): it checks tokens and memory, never time."""
+    def run():
+        tmp = tmp_path_factory.mktemp("soak")
+        # benchmarks/soak.py gives its engines tmp/vllm-cache: the test run's one
+        if os.environ.get("VLLM_CACHE_ROOT"):
+            (tmp / "vllm-cache").symlink_to(os.environ["VLLM_CACHE_ROOT"])
+        out = soak.soak(tmp, REQUESTS, cpu_gb=CPU_GB, snapshots=4, timeout=900, **SHAPE)
+        (tmp / "report.json").write_text(json.dumps(out, indent=1))
+        return out
+
+    return [("report", 150.0, run)]
+
+
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("soak")
-    out = soak.soak(tmp, REQUESTS, cpu_gb=CPU_GB, snapshots=4, timeout=900, **SHAPE)
-    (tmp / "report.json").write_text(json.dumps(out, indent=1))
-    return out
+def report(engine_pool):
+    return engine_pool.result((__name__, "report"))
+
+
+def test_engines_ran_out_of_process(report):
+    """The memory checks measure vLLM's own processes: in both engines the worker is a
+    child of the engine core (mp executor), a child of the harness, a child of this
+    pytest process; no part of an engine runs in the harness or here (as it would if
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 had leaked into this process's environment)."""
+    for s in report["snapshots"] + report["reference_snapshots"]:
+        core, harness, runner = s["ancestors"]
+        assert runner == os.getpid(), s
+        assert len({s["pid"], core, harness, runner}) == 4, s
 
 
 def test_no_token_differs_from_recomputation(report):

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from needs import skip_or_fail
+
 HOST = "127.0.0.1"
 SERVERS = ("valkey-server", "redis-server")
 CLIENTS = {"valkey-server": "valkey-cli", "redis-server": "redis-cli"}
@@ -164,10 +166,7 @@ def require_server() -> str:
     """The server binary, or skip (outside CI) / fail (CI=true) when none is installed."""
     binary = server_binary()
     if binary is None:
-        msg = "no valkey-server/redis-server: run scripts/install_servers.sh"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
+        skip_or_fail("no valkey-server/redis-server: run scripts/install_servers.sh")
     return binary
 
 
