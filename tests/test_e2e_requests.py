@@ -173,9 +173,16 @@ def test_hits_only_between_identical_requests(runs):
     cached = runs["out"]["cached"]
     assert [c for i, c in enumerate(cached) if i not in IN_BATCH] == \
         [h for i, h in enumerate(hits) if i not in IN_BATCH]
-    # In a batch: the hit of the identical request before it, or nothing if both were
-    # in the same step (lookups come before that step's saves).
-    assert all(cached[i] in {0, hits[i]} for i in IN_BATCH), cached
+    # In a batch: nothing, or the hit of an identical request of the batch. Which of two
+    # identical requests the engine computes first is its choice (the in-process
+    # engine core has run the later one first), and if both ran in one step neither
+    # hits (lookups come before that step's saves).
+    start = len(BEFORE)
+    for batch in BATCHES:
+        for k, name in enumerate(batch):
+            same = [start + j for j, other in enumerate(batch) if other == name]
+            assert cached[start + k] in {0, max(hits[j] for j in same)}, (name, cached)
+        start += len(batch)
     assert runs["out"]["steps"][RESET]["result"] is True  # reset_prefix_cache(...)
 
 
