@@ -401,8 +401,12 @@ def test_a_full_server_evicts_or_refuses_writes_never_stalls(tmp_path, policy):
         p_last, _ = lookup(store, last)
         assert p_first.finished and p_last.finished and not p_first.rejected + p_last.rejected
         if policy == "allkeys-lru":
+            # What the server still holds (its own listing) is what a lookup brings up:
+            # its LRU is approximate, so which of the first and last chunk survived is
+            # its choice (the fresh-clone CI saw the last one evicted too).
             assert int(stat["evicted_keys"]) > 0
-            assert not p_first.loaded and p_last.loaded == cells(last)
+            for h, p in ((first[0], p_first), (last[0], p_last)):
+                assert p.loaded == (cells([h]) if h in whole else set())
         else:
             assert int(stat["evicted_keys"]) == 0
             assert p_first.loaded == cells(first)
