@@ -434,3 +434,46 @@ def test_object_of_unexpected_shape_is_never_read(store):
         wider.close()
     assert store.pin(chain, 0, CHUNK) is None
     assert os.environ.get("PYTHONHASHSEED") == "0"
+
+
+def test_a_queued_prefetch_given_up_never_offers_what_it_brings_back_unverified(
+        tmp_path, monkeypatch):
+    """LMCache runs 8 prefetches at once: a 9th waits in its queue. The disk hangs, 8
+    prefetches of other prefixes hold every slot, and the 9th asks for a chain whose
+    chunk 0 sits in L1 (good) and on disk (damaged). All are given up; chunk 0 is then
+    evicted from L1; the disk answers, LMCache runs the queued prefetch, and it brings
+    the damaged chunk 0 back from disk. It is never offered: verified, found bad, and
+    dropped (it was pinned, not bit-exact, when only the keys the prefetch was still
+    fetching were marked unverified)."""
+    from gemma4_kv.stores import embedded_l2
+
+    monkeypatch.setattr(embedded_l2, "L2_TASK_LIMIT_S", 0.5)
+    s = disk_store(tmp_path)
+    try:
+        gen = torch.Generator().manual_seed(15)
+        chain = chunk_hashes(list(range(2 * CHUNK)), CHUNK)
+        put(s, chain, gen, ends=[(2 * CHUNK, HIGH), (CHUNK, LOW)])
+        wait_for(lambda: stored_on_disk(tmp_path, 4))
+        evict(s, chain[1:])
+        assert s.resident(chain) == {0: {0}, 1: {0}}
+        victim = disk_file(tmp_path, chain[0], 1)  # full group: every hit reads it
+        raw = bytearray(victim.read_bytes())
+        raw[len(raw) // 2] ^= 0x80
+        victim.write_bytes(bytes(raw))
+        state, release = hang_l2(s)
+        others = [s.start_prefetch(chunk_hashes([1000 + i] * CHUNK, CHUNK), 0, CHUNK)
+                  for i in range(8)]
+        queued = s.start_prefetch(chain, 0, 2 * CHUNK)
+        wait_for(lambda: (s.poll(), queued.finished and all(p.finished for p in others))[1])
+        assert len(s._hung) == 9 and queued.loaded == set()
+        evict(s, chain[:1])  # nothing holds chunk 0 any more: evicted
+        release()
+        wait_for(lambda: (s.poll(), not s._hung)[1])
+        # the queued prefetch ran at last, and brought chunk 0 back from disk
+        present = s.tier.resident(1, [s.key(chain[0], 1)], s._layouts[1], False)
+        assert present == [0] or s.key(chain[0], 1) in s._bad
+        assert 0 not in s.resident(chain)[1]
+        assert s.pin(chain, 0, CHUNK) is None
+        assert s.key(chain[0], 1) in s._bad
+    finally:
+        s.close()

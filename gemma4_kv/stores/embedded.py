@@ -90,6 +90,7 @@ class EmbeddedStore(L2Reads, ChunkStore):
         self._maybe_untrusted: Counter = Counter()  # keys an unsettled prefetch may load
         self._bad: set = set()  # keys whose L2 copy failed verification
         self._hung: list = []  # prefetches given up, their tasks still unanswered
+        self._hung_keys: Counter = Counter()  # what those may still bring up from L2
         self._unverified: set = set()  # keys a given-up prefetch may bring up unverified
 
     @property
@@ -273,6 +274,7 @@ class EmbeddedStore(L2Reads, ChunkStore):
         """Empty L1, as a fresh engine's is (the L2 tiers keep theirs); objects a reader
         holds go once released."""
         self.delete(self.capacity.tracked())
+        self._left_l1(list(self._hung_keys))
         self.tier.clear()
 
     def _delete(self, cells: Sequence[ChunkKey]) -> None:
@@ -285,6 +287,7 @@ class EmbeddedStore(L2Reads, ChunkStore):
             if not keys:
                 continue
             self.tier.delete(keys)
+            self._left_l1(keys)
             left = self.tier.resident(gid, keys, self._layouts[gid], False)
             if left:
                 self.capacity.kept({(keys[i].chunk_hash, gid): self._bytes[gid]

@@ -53,6 +53,8 @@ class _Prefetch(Prefetch):
     """Objects targeted fetches of it asked for (those that did not come are not asked
     again)."""
     namespace: str = ""
+    hung_keys: list = field(default_factory=list)
+    """Once given up: every key its tasks may still bring up from L2 (`_give_up`)."""
     owner: str = field(default_factory=lambda: f"prefetch-{uuid.uuid4().hex}")
     """Holds what it brought up in `capacity` until `finish_prefetch`."""
     done_with: bool = False
@@ -137,10 +139,16 @@ class L2Reads:
 
     def _give_up(self, p: _Prefetch) -> None:
         """Stop waiting for a prefetch whose tasks do not answer: its read locks go, and
-        what it may still bring up into L1 unverified is verified before it is offered.
-        Its tasks are still polled: what they lock when they answer is unlocked then."""
+        everything its tasks may still bring up into L1 is verified before it is offered.
+        That is every key it asked for, those L1 held when it started too: LMCache may
+        not have started it yet (8 run at once, more wait in its queue), so a held key
+        evicted meanwhile is looked up and loaded from L2 when it does. Until its tasks
+        answer, a key of it that leaves L1 is marked again (`_left_l1`). Its tasks are
+        still polled: what they lock when they answer is unlocked then."""
         self.tier.unlock(p.held)
-        self._unverified.update(p.untrusted)
+        p.hung_keys = p.held + p.untrusted
+        self._unverified.update(p.hung_keys)
+        self._hung_keys.update(p.hung_keys)
         self._maybe_untrusted.subtract(p.untrusted)
         self._maybe_untrusted += Counter()
         p.held, p.untrusted, p.finished = [], [], True
@@ -150,6 +158,12 @@ class L2Reads:
         logger.warning("gemma4-kv: an L2 prefetch did not answer within %.0f s (a stuck "
                        "tier or mount?): given up, its locks released; what it brings up "
                        "later is verified before use", L2_TASK_LIMIT_S)
+
+    def _left_l1(self, keys) -> None:
+        """Keys deleted from L1: a given-up prefetch still running may bring them back
+        from L2 unverified, so they are verified again before they are offered."""
+        if self._hung_keys:
+            self._unverified.update(k for k in keys if k in self._hung_keys)
 
     def _poll_hung(self) -> None:
         """Unlock what given-up prefetches locked, once their tasks answer at last."""
@@ -164,6 +178,8 @@ class L2Reads:
             self.tier.unlock([keys[i] for (_, rows), result in zip(p.tasks, p.results)
                               for row, (_, _, keys) in enumerate(rows)
                               for i in result.hit[row]])
+            self._hung_keys.subtract(p.hung_keys)
+            self._hung_keys += Counter()  # drop zero counts
         self._hung = still
 
     def _check_unverified(self, gid: int, keys: list, present: list[int]) -> None:
