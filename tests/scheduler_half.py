@@ -99,14 +99,16 @@ class SchedulerHalf:
         return Request(f"req-{next(self._ids)}", tokens, SamplingParams(max_tokens=1), None,
                        mm_features=feats, block_hasher=self.block_hasher, lora_request=lora)
 
-    def schedule(self, req):
+    def schedule(self, req, hit: int | None = None):
         """(hit, this step's connector metadata) of a request scheduled alone: what the
-        engine core hands the workers for the step."""
+        engine core hands the workers for the step. With `hit`, the lookup that found
+        it was made already (an earlier step that could not allocate, say)."""
         from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
         rid = req.request_id
-        hit, load_async = self.connector.get_num_new_matched_tokens(req, 0)
-        assert hit is not None and not load_async  # no L2 tier: never pending
+        if hit is None:
+            hit, load_async = self.connector.get_num_new_matched_tokens(req, 0)
+            assert hit is not None and not load_async  # no L2 tier: never pending
         assert self.kvm.allocate_slots(req, req.num_tokens - hit,
                                        num_external_computed_tokens=hit) is not None
         self.connector.update_state_after_alloc(req, self.kvm.get_blocks(rid), hit)
@@ -124,7 +126,7 @@ class SchedulerHalf:
 
         for rank, (service, store) in enumerate(zip(self.services, self.stores)):
             for load in meta.loads:
-                pinned = service.take(load.req_id)
+                pinned = service.take(load.req_id, load.pin)
                 if pinned is None or (pinned.start, pinned.hit) != (load.start, load.hit):
                     raise RuntimeError(f"rank {rank} did not pin the hit of {load.req_id}")
                 for cb in load_blocks(self.layout, load.start, load.hit, CHUNK,
@@ -138,6 +140,15 @@ class SchedulerHalf:
         for save in meta.saves:
             w = save.write
             self.saved[w.req_id] = list(w.chain[w.first:w.first + len(w.groups)])
+
+    def preempt(self, req) -> None:
+        """vLLM's preemption: the request's blocks are freed and it waits again from
+        token 0 (the connector is not told; it is asked for a hit again)."""
+        from vllm.v1.request import RequestStatus
+
+        self.kvm.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
 
     def finish(self, req) -> None:
         """vLLM's end of a request (finished or aborted): the connector, then its blocks."""
@@ -161,7 +172,7 @@ class SchedulerHalf:
 
         assert self.connector._scheduler.client.ask_all(messages.Release("sync")) == \
             [messages.Done(ok=True)] * len(self.services)
-        return [set(s._hits) for s in self.services]
+        return [s.pinned_requests() for s in self.services]
 
     def _put(self, store, save):
         from gemma4_kv.stores import integrity

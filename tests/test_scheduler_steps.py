@@ -57,7 +57,7 @@ def test_the_release_the_fix_withholds_would_have_broken_the_load(half):
 
     r = half.request(PROMPT)
     _, meta = half.schedule(r)
-    half.connector._scheduler.client.ask_all(messages.Release(r.request_id))
+    half.connector._scheduler.client.ask_all(messages.Release(r.request_id, meta.loads[0].pin))
     with pytest.raises(RuntimeError, match=f"rank 0 did not pin the hit of {r.request_id}"):
         half.work(meta)
     half.finish(r)
@@ -79,20 +79,62 @@ def test_an_abort_before_the_load_went_out_releases_on_every_rank(half):
     assert half.pinned() == NONE
 
 
-def test_a_request_that_turns_uncacheable_while_waiting_releases_its_pins(half, tmp_path):
+def test_a_preempted_request_that_pins_again_and_is_aborted_unscheduled_holds_no_pin(half):
+    """A request loads its hit; it is preempted and asked again, and the new lookup pins
+    a hit; it is not scheduled that step (no blocks), then aborted: no rank keeps the
+    pin (it leaked for the engine's lifetime, and pins count towards MAX_PINNED)."""
+    r = half.request(PROMPT)
+    hit, meta = half.schedule(r)
+    assert hit == HIT
+    half.work(meta)
+    assert half.pinned() == NONE
+    half.preempt(r)
+    assert half.connector.get_num_new_matched_tokens(r, 0) == (HIT, False)
+    assert half.pinned() == [{r.request_id}] * 2
+    half.connector.request_finished_all_groups(r, ((),) * len(half.layout.groups))
+    assert half.pinned() == NONE
+
+
+def test_a_lookup_after_a_preemption_keeps_off_the_pins_of_a_load_in_flight(half):
+    """Preempted after its load went out with step N and before the ranks ran it, a
+    request is looked up again: step N's load still reads its own pins, and the new
+    lookup's pins serve the request's next load (the second lookup released the
+    first's pins, so one of the two loads found none: RuntimeError)."""
+    r = half.request(PROMPT)
+    hit, meta = half.schedule(r)
+    half.preempt(r)
+    assert half.connector.get_num_new_matched_tokens(r, 0) == (HIT, False)
+    half.work(meta)
+    assert half.pinned() == [{r.request_id}] * 2  # the second lookup's
+    again, meta2 = half.schedule(r, hit=HIT)
+    assert [(j.start, j.hit) for j in meta2.loads] == [(0, HIT)]
+    half.work(meta2)
+    half.finish(r)
+    assert half.pinned() == NONE
+
+
+@pytest.mark.parametrize("loaded_first", [False, True])
+def test_a_request_that_turns_uncacheable_while_waiting_releases_its_pins(half, tmp_path,
+                                                                          loaded_first):
     """A request pinned a hit but waits for blocks; meanwhile its LoRA id is re-pointed
     at other adapter weights (uncacheable from then on). Its next lookup releases what
-    the ranks hold for it, instead of leaving the pins to LMCache's 300 s TTL."""
+    the ranks hold for it, instead of leaving the pins to LMCache's 300 s TTL. With
+    `loaded_first` it had loaded a hit and been preempted before (its pins leaked)."""
     from vllm.lora.request import LoRARequest
 
     from e2e_requests_common import write_adapter
 
     text = half.text_config
     path = write_adapter(tmp_path / "adapter", 1, text)
-    lora = LoRARequest("A", 7, path)
+    lora = LoRARequest(f"A{int(loaded_first)}", 7 + loaded_first, path)  # ids never reused
     first = half.request(PROMPT, lora=lora)
     assert half.serve(first)[0] == 0  # other keys than the base model's: stored anew
     waiting = half.request(PROMPT, lora=lora)
+    if loaded_first:
+        hit, meta = half.schedule(waiting)
+        assert hit == HIT
+        half.work(meta)
+        half.preempt(waiting)
     assert half.connector.get_num_new_matched_tokens(waiting, 0) == (HIT, False)
     assert half.pinned() == [{waiting.request_id}] * 2
     write_adapter(path, 2, text)  # the same id and path, other weights

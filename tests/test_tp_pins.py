@@ -55,7 +55,7 @@ def ranks():
 
 
 def pinned_keys(store, service, req_id):
-    hit = service._hits.get(req_id)
+    hit = service._hits.get((req_id, 0))
     return set() if hit is None else set(hit.pinned.handles[1])
 
 
@@ -90,7 +90,7 @@ def test_ranks_answering_different_hits_pin_exactly_the_common_one(ranks):
         want = {store.key(hashes[c], g) for g, c in need}
         assert pinned_keys(store, service, "r1") == want
     for service in services:  # what the load takes is exactly what was pinned
-        h = service.take("r1")
+        h = service.take("r1", 0)
         assert (h.start, h.hit) == (0, 768)
         assert set(h.pinned.views) == {(hashes[c], g) for g, c in need}
         assert locked(service.store, hashes) == {(c, g) for g, c in need}
@@ -137,7 +137,7 @@ def test_a_store_read_that_raises_on_one_rank_is_that_requests_miss_only(ranks, 
     hit, _ = lookup_all_ranks(client, messages.Lookup("r4", hashes, 0, 8 * CHUNK - 16))
     assert hit > 0
     for service in services:
-        service.done(service.take("r4"))
+        service.done(service.take("r4", 0))
     for store in stores:
         assert locked(store, hashes) == set()
 
@@ -156,10 +156,49 @@ def test_pinned_requests_are_capped_per_engine_and_a_lookup_beyond_misses(ranks,
     ask = lambda r: lookup_all_ranks(client, messages.Lookup(r, hashes, 0, 4 * CHUNK))  # noqa: E731
     assert ask("p1") == (4 * CHUNK, 0) and ask("p2") == (4 * CHUNK, 0)
     assert ask("p3") == (0, 0)
-    assert all(set(s._hits) == {"p1", "p2"} for s in services)
+    assert all(s.pinned_requests() == {"p1", "p2"} for s in services)
     client.ask_all(messages.Release("p1"))
     assert ask("p3") == (4 * CHUNK, 0)
     for r in ("p2", "p3"):
         client.ask_all(messages.Release(r))
     for store in stores:
         assert locked(store, hashes) == set()
+
+
+@pytest.mark.parametrize("start,hit", [(0, 10**9), (0, 4 * CHUNK + 1), (0, -5), (0, 0),
+                                       (-CHUNK, CHUNK), (2 * CHUNK, CHUNK)])
+def test_a_repin_the_chunks_cannot_hold_is_a_miss_without_a_store_read(ranks, monkeypatch,
+                                                                       start, hit):
+    """A Repin beyond the chunks it names (10**9 tokens held the lookup thread for 40 s
+    and several GB, then raised), a negative or empty one (answered ok): a miss on every
+    rank, and the store is never asked to pin it. A valid one on the same chunks pins."""
+    stores, services, client = ranks
+    gen = torch.Generator().manual_seed(4)
+    hashes = chunk_hashes(list(range(4 * CHUNK)), CHUNK)
+    for store in stores:
+        put(store, hashes, gen, ends=[(4 * CHUNK, HIGH)])
+    asked = []
+    for store in stores:
+        original = store.pin
+        monkeypatch.setattr(store, "pin", lambda *a, _o=original, **kw: (asked.append(a),
+                                                                         _o(*a, **kw))[1])
+    assert client.ask_all(messages.Repin("bad", hashes, start, hit)) == \
+        [messages.Done(ok=False)] * 2
+    assert asked == [] and all(not s.pinned_requests() for s in services)
+    assert client.ask_all(messages.Repin("good", hashes, 0, 4 * CHUNK)) == \
+        [messages.Done(ok=True)] * 2
+    assert len(asked) == 2
+    client.ask_all(messages.Release("good"))
+    for store in stores:
+        assert locked(store, hashes) == set()
+
+
+def test_a_lookup_with_a_negative_start_is_a_miss(ranks):
+    stores, services, client = ranks
+    gen = torch.Generator().manual_seed(5)
+    hashes = chunk_hashes(list(range(4 * CHUNK)), CHUNK)
+    for store in stores:
+        put(store, hashes, gen, ends=[(4 * CHUNK, HIGH)])
+    assert client.ask_all(messages.Lookup("neg", hashes, -CHUNK, 4 * CHUNK)) == \
+        [messages.LookupReply()] * 2
+    assert all(not s.pinned_requests() for s in services)

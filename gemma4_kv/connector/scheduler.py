@@ -52,14 +52,14 @@ class _Request:
     prompt_len: int
     next_chunk: int = 0
     """First chunk not yet stored or loaded."""
+    pin: int = 0
+    """Number of its latest lookup: the workers name what it pinned (req_id, pin)."""
     hit: tuple[int, int] | None = None
-    """(start, hit) of a lookup whose objects the workers hold pinned."""
+    """(start, hit) of pin `pin` while the scheduler owns it: released here unless a
+    load takes it over (the workers free a load's pins once loaded, in step order)."""
     from_l2: int = 0
-    asked: bool = False
-    """A lookup reached the workers: they may hold pins or a prefetch for it."""
-    loading: bool = False
-    """Its hit's load went to the workers in a step's metadata: they free its pins after
-    loading, in step order (a Release now could reach a rank before that step's load)."""
+    pending: bool = False
+    """Its latest lookup was answered pending: a rank may hold a prefetch for it."""
     stored: list[tuple[int, ...]] = field(default_factory=list)
     """Groups stored for each chunk so far (to touch them when the request ends)."""
     impure: set[int] = field(default_factory=set)
@@ -178,17 +178,19 @@ class ConnectorScheduler:
         limit = cut_before(limit, spans, m)
         if limit <= num_computed_tokens or time.monotonic() < self._ranks_down_until:
             return 0, False
+        st.pin += 1
         try:
             hit, from_l2 = lookup_all_ranks(self.client, messages.Lookup(
-                request.request_id, hashes, num_computed_tokens, limit, spans))
+                request.request_id, hashes, num_computed_tokens, limit, spans, st.pin))
         except RanksDown:
             logger.warning("gemma4-kv: a worker rank did not answer a lookup; no lookups "
                            "for %.0f s", RANK_BACKOFF_S)
             self._ranks_down_until = time.monotonic() + RANK_BACKOFF_S
             # without waiting: the rank that did not answer would hold the scheduler again
-            self.client.tell_all(messages.Release(request.request_id))
+            self.client.tell_all(messages.Release(request.request_id, st.pin))
+            st.pending = False
             return 0, False
-        st.asked = True
+        st.pending = hit is None
         if hit is None:
             return None, False  # an L2 tier is being asked: vLLM asks again next step
         if hit <= num_computed_tokens:
@@ -208,12 +210,12 @@ class ConnectorScheduler:
         if start + num_external_tokens != hit:
             raise RuntimeError(f"vLLM allocated {num_external_tokens} external tokens after "
                                f"{start}, the connector offered up to {hit}")
-        st.hit, st.loading = None, True  # the worker releases the pins once loaded
+        st.hit = None  # the load owns pin st.pin now: the workers free it once loaded
         n = -(-hit // self.chunk_size)
         st.next_chunk = max(st.next_chunk, hit // self.chunk_size)
         self._loads.append(LoadJob(request.request_id, start, hit,
                                    self._hashes(st, n * self.chunk_size),
-                                   tuple(list(b) for b in blocks.get_block_ids())))
+                                   tuple(list(b) for b in blocks.get_block_ids()), st.pin))
 
     def hit_sources(self, request, num_external_tokens: int) -> tuple[int, int]:
         """(tokens from the CPU tier, tokens brought up from an L2 tier) of a hit."""
@@ -317,15 +319,19 @@ class ConnectorScheduler:
 
     def _forget(self, req_id: str, st: _Request) -> None:
         """The request is done here (finished, aborted, or uncacheable from now on): the
-        ranks drop its pins and prefetches, and the store what it kept for its writes.
-        A load already sent keeps its pins: the workers free them once it has run."""
+        ranks drop the pin the scheduler owns and any prefetch, and the store what it
+        kept for its writes. A load already sent keeps its pin: the workers free it
+        once it has run; one not sent yet never will be, so its pin goes too."""
         self._requests.pop(req_id, None)
         queued = [j for j in self._loads if j.req_id == req_id]
-        if queued:  # not sent yet: no worker will look for it
+        if queued:
             self._loads = [j for j in self._loads if j.req_id != req_id]
-        if st.asked and (queued or not st.loading):
-            st.hit = None
-            self._release_all(req_id)
+        for job in queued:
+            self._release_all(req_id, job.pin)
+        self._release(req_id, st)
+        if st.pending:
+            st.pending = False
+            self._release_all(req_id, st.pin)
         if st.stored:
             self._finished.append(FinishJob(req_id))
 
@@ -342,14 +348,15 @@ class ConnectorScheduler:
         return ok
 
     def _release(self, req_id: str, st: _Request) -> None:
+        """Drop the pin the scheduler owns (a hit offered but not loaded)."""
         if st.hit is not None:
             st.hit = None
-            self._release_all(req_id)
+            self._release_all(req_id, st.pin)
 
-    def _release_all(self, req_id: str) -> None:
+    def _release_all(self, req_id: str, pin: int) -> None:
         """Without waiting for the answers: a rank handles its messages in order, so a
         later lookup of the same request is handled after the release."""
-        self.client.tell_all(messages.Release(req_id))
+        self.client.tell_all(messages.Release(req_id, pin))
 
     def close(self) -> None:
         self.client.close()

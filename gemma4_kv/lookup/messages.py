@@ -7,6 +7,11 @@ A lookup is two-phase across tensor-parallel ranks: every rank answers `Lookup`
 with the hit it pinned and every hit length it could serve; the scheduler takes the
 largest length all ranks can serve and sends `Repin` to the ranks whose pin differs,
 so what each rank pins is exactly what the load will read.
+
+Pins are named by (request, `pin`), the scheduler numbering each lookup of a request:
+a load carries the name of the pin it reads, and a `Release` names the pin it drops,
+so a request preempted and looked up again never drops (or leaks) the pin of a load
+still in flight.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ class Lookup(msgspec.Struct, tag=True, frozen=True):
     spans: list[tuple[int, int]] = []
     """Token ranges [a, b) a hit must not end inside (images: attended both ways, so
     vLLM must compute an image's tokens in one step)."""
+    pin: int = 0
+    """Which lookup of the request this is: what it pins is named (req_id, pin)."""
 
 
 class Repin(msgspec.Struct, tag=True, frozen=True):
@@ -34,12 +41,14 @@ class Repin(msgspec.Struct, tag=True, frozen=True):
     hashes: list[bytes]
     start: int
     hit: int
+    pin: int = 0
 
 
 class Release(msgspec.Struct, tag=True, frozen=True):
-    """Drop whatever request `req_id` has pinned or is prefetching (it ended)."""
+    """Drop pin (`req_id`, `pin`) and whatever request `req_id` is prefetching."""
 
     req_id: str
+    pin: int = 0
 
 
 class Reset(msgspec.Struct, tag=True, frozen=True):

@@ -25,12 +25,13 @@ def lookup_all_ranks(client: LookupClient, lookup: messages.Lookup) -> tuple[int
         return None, 0
     common = set(replies[0].candidates).intersection(*(r.candidates for r in replies))
     hit = max(common, default=0)
-    release = messages.Release(lookup.req_id)
+    release = messages.Release(lookup.req_id, lookup.pin)
     if hit <= lookup.start:
         client.ask_all(release)
         return 0, 0
     if any(r.pinned != hit for r in replies):
-        done = client.ask_all(messages.Repin(lookup.req_id, lookup.hashes, lookup.start, hit))
+        done = client.ask_all(messages.Repin(lookup.req_id, lookup.hashes, lookup.start, hit,
+                                                  lookup.pin))
         if done is None or not all(isinstance(d, messages.Done) and d.ok for d in done):
             client.ask_all(release)
             return 0, 0

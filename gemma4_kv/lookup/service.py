@@ -6,8 +6,8 @@ store's prefetch and answers `pending` (the scheduler returns None to vLLM, whic
 again next step); once the prefetch has landed and been verified, or `timeout_s` has
 passed, it answers from the fast tier alone. A tier whose prefetch outlives the timeout
 is left alone for a while (`_Backoff`), so a dead Redis costs one timeout, not one per
-request. The objects of the answered hit stay pinned until the worker has loaded them
-(`take` / `done`) or the scheduler releases them.
+request. The objects of the answered hit stay pinned, named (request, pin number), until
+the worker has loaded them (`take` / `done`) or the scheduler releases that pin.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class LookupService:
         self.store, self.layout, self.chunk_size = store, layout, chunk_size
         self.timeout_s = timeout_s
         self.stats, self.record = stats, record
-        self._hits: dict[str, Hit] = {}
+        self._hits: dict[tuple[str, int], Hit] = {}  # by (req_id, pin)
         self._pending: dict[str, _Pending] = {}
         self._backoff = _Backoff()
         self._warned_until = 0.0
@@ -90,7 +90,7 @@ class LookupService:
             except Exception:  # noqa: BLE001 - a store read that failed: this request misses
                 return self._missed(msg)
         if isinstance(msg, messages.Release):
-            self.release(msg.req_id)
+            self.release(msg.req_id, msg.pin)
             self._drop_pending(msg.req_id)
             return messages.Done(True)
         if isinstance(msg, messages.Reset):
@@ -102,7 +102,9 @@ class LookupService:
     def lookup(self, msg: messages.Lookup) -> messages.LookupReply:
         t0 = time.monotonic()
         self.store.poll()
-        self.release(msg.req_id)
+        self.release(msg.req_id, msg.pin)
+        if msg.start < 0:
+            return messages.LookupReply()
         now = time.monotonic()
         n = min(len(msg.hashes), -(-msg.limit // self.chunk_size))
         chain = msg.hashes[:n]
@@ -131,7 +133,7 @@ class LookupService:
             if candidates is None:
                 candidates = self._candidates(chain, msg.start, msg.limit, msg.spans)
             for hit in candidates[:2]:  # the next one if an object went between check and pin
-                h = self._pin(msg.req_id, chain, msg.start, hit, loaded)
+                h = self._pin(msg.req_id, msg.pin, chain, msg.start, hit, loaded)
                 if h is not None:
                     self._count(msg, hit, h.from_l2, t0)
                     return messages.LookupReply(pinned=hit, candidates=candidates,
@@ -146,7 +148,7 @@ class LookupService:
         """A lookup whose store call raised is this request's miss, not the rank's
         failure: nothing stays pinned or pending for it, and other requests (and the
         next lookup of this one) are served as before."""
-        self.release(msg.req_id)
+        self.release(msg.req_id, msg.pin)
         self._drop_pending(msg.req_id)
         now = time.monotonic()
         if now >= self._warned_until:
@@ -163,14 +165,23 @@ class LookupService:
 
     def repin(self, msg: messages.Repin) -> bool:
         """Pin exactly what a hit of `msg.hit` tokens reads (the scheduler's choice over
-        all ranks), releasing what this rank pinned for its own longer answer."""
-        self.release(msg.req_id)
-        return self._pin(msg.req_id, msg.hashes, msg.start, msg.hit, set()) is not None
+        all ranks), releasing what this rank pinned for its own longer answer. A hit
+        the chunks named cannot hold, or an empty one, is a miss (False), never a pin."""
+        self.release(msg.req_id, msg.pin)
+        if not 0 <= msg.start < msg.hit <= len(msg.hashes) * self.chunk_size:
+            return False
+        return self._pin(msg.req_id, msg.pin, msg.hashes, msg.start, msg.hit,
+                         set()) is not None
 
-    def release(self, req_id: str) -> None:
-        h = self._take_hit(req_id)
+    def release(self, req_id: str, pin: int) -> None:
+        h = self._take_hit(req_id, pin)
         if h is not None:
             self.store.release(h.pinned)
+
+    def pinned_requests(self) -> set[str]:
+        """Requests holding a pinned hit on this rank."""
+        with self._lock:
+            return {req_id for req_id, _ in self._hits}
 
     def _drop_pending(self, req_id: str) -> None:
         pending = self._pending.pop(req_id, None)
@@ -178,10 +189,10 @@ class LookupService:
             self.store.finish_prefetch(pending.prefetch)
 
     # -- the model thread -------------------------------------------------------------
-    def take(self, req_id: str) -> Hit | None:
-        """The pinned hit of a request about to be loaded (the caller releases it with
-        `done` once the copies have finished)."""
-        return self._take_hit(req_id)
+    def take(self, req_id: str, pin: int) -> Hit | None:
+        """Pin `pin` of a request about to be loaded (the caller releases it with `done`
+        once the copies have finished)."""
+        return self._take_hit(req_id, pin)
 
     def done(self, hit: Hit) -> None:
         self.store.release(hit.pinned)
@@ -197,7 +208,7 @@ class LookupService:
                              lambda g, c: c in resident[g], start, limit)
         return [h for h in hits if not any(a < h < b for a, b in spans)]
 
-    def _pin(self, req_id: str, chain: list[bytes], start: int, hit: int,
+    def _pin(self, req_id: str, pin: int, chain: list[bytes], start: int, hit: int,
              loaded: set) -> Hit | None:
         with self._lock:
             full = len(self._hits) >= MAX_PINNED
@@ -214,12 +225,12 @@ class LookupService:
                       for c in l2_chunks)
         h = Hit(start, hit, pinned, from_l2)
         with self._lock:
-            self._hits[req_id] = h
+            self._hits[(req_id, pin)] = h
         return h
 
-    def _take_hit(self, req_id: str) -> Hit | None:
+    def _take_hit(self, req_id: str, pin: int) -> Hit | None:
         with self._lock:
-            return self._hits.pop(req_id, None)
+            return self._hits.pop((req_id, pin), None)
 
     def _count(self, msg: messages.Lookup, hit: int, from_l2: int, t0: float) -> None:
         seconds = time.monotonic() - t0  # since it first asked L2, if it had to

@@ -21,13 +21,15 @@ from ..stores.base import ChunkWrite
 @dataclass
 class LoadJob:
     """Fill tokens [start, hit) of a request from chunks 0 .. ceil(hit / chunk_size) - 1
-    (`hashes`), which its lookup pinned, into vLLM's blocks `block_ids` (per group)."""
+    (`hashes`), which its lookup pinned as (req_id, `pin`), into vLLM's blocks
+    `block_ids` (per group)."""
 
     req_id: str
     start: int
     hit: int
     hashes: list[bytes]
     block_ids: tuple[list[int], ...]
+    pin: int = 0
 
 
 @dataclass

@@ -57,7 +57,7 @@ class Loads(JobQueue):
         t0 = time.perf_counter()
         items, loaded = defaultdict(list), []
         for job in jobs:
-            hit = self.lookups.take(job.req_id)
+            hit = self.lookups.take(job.req_id, job.pin)
             if hit is None or (hit.start, hit.hit) != (job.start, job.hit):
                 raise RuntimeError(f"gemma4-kv: request {job.req_id} was offered a hit of "
                                    f"[{job.start}, {job.hit}) that rank {self.rank} did "
