@@ -2,6 +2,6 @@
 
 __version__ = "0.1.0"
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Version of the stored chunk format (KV_2LTD objects per group, their trailer's
-checksum); part of every key. 2: the checksum over 32-bit words."""
+checksum); part of every key. 3: the checksum weights are distinct per position."""

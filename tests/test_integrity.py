@@ -1,6 +1,6 @@
 """Object trailers: the checksum is plain modular arithmetic (checked against a numpy
-uint64 oracle), catches any changed word and the high-bit damage that a sum of 64-bit
-words mod 2**64 let through, binds the key, and is the same on CPU and GPU."""
+uint64 oracle, weights included), catches any changed word, any swap of two different
+words and high-bit damage, binds the key, and is the same on CPU and GPU."""
 
 from __future__ import annotations
 
@@ -12,15 +12,72 @@ from gemma4_kv.stores import integrity
 from paged import random_bits
 
 
-def oracle(t: torch.Tensor, key: int) -> int:
+M30 = np.uint64((1 << 30) - 1)
+
+
+def weights_np(n: int) -> np.ndarray:
+    """The weights as defined, in numpy uint64: w_i = 2 * p(i) + 1 with p the 30-bit mix
+    (add, then two rounds of xorshift and multiply by an odd constant, each mod 2**30)."""
+    z = (np.arange(n, dtype=np.uint64) + np.uint64(0x2B5D3A97)) & M30
+    z = ((z ^ (z >> np.uint64(15))) * np.uint64(0x7FEB352D)) & M30
+    z = ((z ^ (z >> np.uint64(13))) * np.uint64(0x846CA68B)) & M30
+    z ^= z >> np.uint64(16)
+    return np.uint64(2) * z + np.uint64(1)
+
+
+def format2_weights_np(n: int) -> np.ndarray:
+    """Format 2's weights: the top 31 bits of splitmix64 of the index, made odd (only
+    2**30 values, so long objects repeat them)."""
+    with np.errstate(over="ignore"):
+        z = np.arange(n, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return (z >> np.uint64(33)) | np.uint64(1)
+
+
+def _words_np(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().view(np.uint32).astype(np.uint64)
+
+
+def oracle(t: torch.Tensor, key: int, weights=weights_np) -> int:
     """The definition, in numpy: unsigned 32-bit words times the weights (each below
     2**31, odd), summed mod 2**64."""
-    x = t.contiguous().reshape(-1).view(torch.uint8).numpy().view(np.uint32).astype(np.uint64)
-    w = integrity.weights(x.size).numpy().view(np.uint64)
+    x = _words_np(t)
+    w = weights(x.size)
     assert (w < (1 << 31)).all() and (w & 1).all()
     with np.errstate(over="ignore"):
         s = int((x * w).sum(dtype=np.uint64))
     return (s + key) % (1 << 64)
+
+
+def test_weights_are_the_defined_ones_and_distinct_beyond_the_largest_object():
+    """A 31B sliding chunk object is [2, 10, 256, 4096] bf16: 10,485,760 words < 2**24."""
+    n = 1 << 24
+    w = integrity.weights(n).numpy()
+    assert np.unique(w).size == n
+    assert np.array_equal(w.view(np.uint64), weights_np(n))
+    assert w.min() >= 1 and w.max() < (1 << 31) and (w & 1).all()
+    with pytest.raises(ValueError, match="2\\*\\*30"):
+        integrity.weights((1 << 30) + 1)
+
+
+def test_a_swap_at_positions_that_format_2_weighted_alike_fails():
+    """Format 2 gave some positions the same weight (61,611 in a 44 MiB object); two
+    different words swapped there kept its checksum. The first such pair lies in the
+    first 2**17 words."""
+    old = format2_weights_np(1 << 17)
+    order = np.argsort(old, kind="stable")
+    same = np.flatnonzero(old[order][1:] == old[order][:-1])
+    assert same.size, "no repeated format-2 weight in the first 2**17 words"
+    i, j = sorted((int(order[same[0]]), int(order[same[0] + 1])))
+    t = random_bits((j + 1,), torch.int32, generator=torch.Generator().manual_seed(5))
+    t[i], t[j] = 7, 11
+    swapped = t.clone()
+    swapped[[i, j]] = swapped[[j, i]]
+    key = integrity.key64("fp", b"s" * 32, 0)
+    assert oracle(swapped, key, format2_weights_np) == oracle(t, key, format2_weights_np)
+    assert not integrity.verify(swapped, _sealed(t, key), key)
 
 
 @pytest.mark.parametrize("shape,dtype", [((2, 3, 64, 32), torch.bfloat16),
@@ -93,13 +150,19 @@ def test_high_bit_damage_fails_every_time():
         assert not integrity.verify(bad.view(torch.bfloat16).view(t.shape), trailer, key)
 
 
-def test_objects_sealed_with_the_old_format_fail():
+def test_objects_sealed_with_an_older_format_fail():
+    """Format 2 trailers (magic "g4kv2", its weights) and anything marked "g4kv1"."""
     t = random_bits((2, 64), torch.bfloat16, generator=torch.Generator().manual_seed(4))
     key = integrity.key64("fp", b"d" * 32, 1)
     trailer = _sealed(t, key)
-    old = trailer.clone()
-    old[0] = 0x67346B7631  # "g4kv1"
-    assert integrity.verify(t, trailer, key) and not integrity.verify(t, old, key)
+    assert integrity.verify(t, trailer, key)
+    s = (oracle(t, key, format2_weights_np) + (1 << 63)) % (1 << 64) - (1 << 63)
+    format2 = torch.tensor([0x67346B7632, s, t.numel() * t.element_size(), 0])
+    assert not integrity.verify(t, format2, key)
+    for magic in (0x67346B7631, 0x67346B7632):
+        old = trailer.clone()
+        old[0] = magic
+        assert not integrity.verify(t, old, key)
 
 
 @pytest.mark.cuda

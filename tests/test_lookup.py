@@ -360,6 +360,40 @@ def test_socket_dir_prefers_runtime_dir_then_home_cache_then_a_per_uid_temp_dir(
                                                  made)).st_mode) == 0o700
 
 
+@pytest.mark.parametrize("home_mode", [0o700, 0o755])
+def test_a_home_without_cache_gets_a_private_one_when_tmp_is_taken(
+        tmp_path, monkeypatch, home_mode):
+    """Containers and services often have no XDG_RUNTIME_DIR and no ~/.cache: another
+    user's /tmp/gemma4-kv-<uid> (here one of the wrong mode, which any user can make)
+    must not stop the engine while our own home can hold a private directory."""
+    home = tmp_path / "home"
+    home.mkdir()
+    os.chmod(home, home_mode)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    taken = tmp_path / f"gemma4-kv-{os.getuid()}"
+    taken.mkdir()
+    os.chmod(taken, 0o755)
+    assert socket_dir() == str(home / ".cache" / "gemma4-kv")
+    for made in (home / ".cache", home / ".cache" / "gemma4-kv"):
+        st = os.lstat(made)
+        assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
+        assert st.st_uid == os.getuid()
+    assert stat.S_IMODE(os.stat(taken).st_mode) == 0o755  # not tightened
+
+
+def test_no_cache_dir_is_made_in_a_home_others_may_write(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    os.chmod(home, 0o777)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert socket_dir() == str(tmp_path / f"gemma4-kv-{os.getuid()}")
+    assert not (home / ".cache").exists()
+
+
 def make_unsafe(path: str, bad: str, elsewhere: Path) -> None:
     if bad == "symlink":
         os.mkdir(elsewhere, 0o700)

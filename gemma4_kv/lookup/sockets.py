@@ -22,19 +22,16 @@ def socket_dir() -> str:
 
     The first of `$XDG_RUNTIME_DIR/gemma4-kv`, `$HOME/.cache/gemma4-kv` (each only where
     its parent is ours and not writable by others, so nobody else can have made it) and
-    `{tempdir}/gemma4-kv-{uid}` that is ours with mode 0700, or can be made so. An
-    existing directory that others could enter or that is not plainly ours is never
-    tightened or used (someone else may have put files in it): the next one is taken,
-    so another user who creates `/tmp/gemma4-kv-<uid>` first cannot stop the engine."""
+    `{tempdir}/gemma4-kv-{uid}` that is ours with mode 0700, or can be made so. A missing
+    `~/.cache` is made 0700 where the home directory is ours and not writable by others:
+    containers and services often have neither a runtime dir nor `~/.cache`, and tmp is
+    shared. An existing directory that others could enter or that is not plainly ours
+    is never tightened or used (someone else may have put files in it): the next one is
+    taken, so another user who creates `/tmp/gemma4-kv-<uid>` first cannot stop the
+    engine while one of the others can be ours."""
     uid = os.getuid()
-    candidates = []
-    for parent, name in ((os.environ.get("XDG_RUNTIME_DIR"), "gemma4-kv"),
-                         (os.path.join(os.path.expanduser("~"), ".cache"), "gemma4-kv")):
-        if parent and _owned_dir(parent, uid, 0o022):
-            candidates.append(os.path.join(parent, name))
-    candidates.append(os.path.join(tempfile.gettempdir(), f"gemma4-kv-{uid}"))
     problems = []
-    for path in candidates:
+    for path in _candidates(uid):
         try:
             os.mkdir(path, 0o700)
             os.chmod(path, 0o700)  # a umask may have taken owner bits away
@@ -50,6 +47,26 @@ def socket_dir() -> str:
             problems.append(str(e))
     raise RuntimeError("gemma4-kv: no private directory for the lookup sockets: "
                        + "; ".join(problems))
+
+
+def _candidates(uid: int):
+    """Socket directories to try, in order; `~/.cache` is made only once it is reached.
+    Relative paths (an empty HOME, say) would name a directory under the cwd: skipped."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(runtime) and _owned_dir(runtime, uid, 0o022):
+        yield os.path.join(runtime, "gemma4-kv")
+    home = os.path.expanduser("~")
+    if os.path.isabs(home):
+        cache = os.path.join(home, ".cache")
+        if not os.path.lexists(cache) and _owned_dir(home, uid, 0o022):
+            try:
+                os.mkdir(cache, 0o700)
+                os.chmod(cache, 0o700)
+            except OSError:
+                pass  # made meanwhile, or a read-only home: the check below decides
+        if _owned_dir(cache, uid, 0o022):
+            yield os.path.join(cache, "gemma4-kv")
+    yield os.path.join(tempfile.gettempdir(), f"gemma4-kv-{uid}")
 
 
 def _owned_dir(path: str, uid: int, forbidden: int) -> bool:

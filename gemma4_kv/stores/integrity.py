@@ -7,18 +7,19 @@ trailer (LMCache's second tensor of the object, `SEAL_SHAPE` int64 words):
 
     sum_i  x_i * w_i  +  key64      (mod 2**64)
 
-over the object's KV bytes read as unsigned 32-bit words `x_i`, with fixed odd 31-bit
-weights `w_i` (splitmix64 of the word index, top bits) and `key64` derived from the
-object's full key (fingerprint, chunk hash, group). Each product is exact (below
-2**63), so the sum of the products of the changed words changes by less than 2**64
-in size, and is 0 only if those products cancel exactly: a single changed word always
-fails; several fail unless their weighted changes cancel, about 1 in 2**31 for random
-damage. (Sums of 64-bit words mod 2**64 lose the high bits of each product: bit 63
-flipped in two words cancelled every time.) An object under another key fails through
-`key64`. It is plain integer arithmetic in torch, so the GPU (at save time, in the
-staging buffer) and the CPU (at verification, in pinned host memory) compute the same
-value bit for bit. This guards against corruption, not against an attacker who can
-write the tier: keep tier directories and servers private to the serving user.
+over the object's KV bytes read as unsigned 32-bit words `x_i`, with weights
+`w_i = 2 * p(i) + 1`, p a fixed bijection on 30-bit integers (a multiply-xorshift
+mix), and `key64` derived from the object's full key (fingerprint, chunk hash, group).
+Each product is exact (below 2**63), and no two positions of an object (at most 2**30
+words) share a weight. So damage changes the sum by the exact sum of its weighted
+changes, which is 0 only if those cancel: a single changed word always fails, and so
+does a swap of two different words ((x_j - x_i) * (w_i - w_j) is not 0 and below
+2**63); other damage passes only if its weighted changes cancel, about 1 in 2**31 for
+random damage. An object under another key fails through `key64`. It is plain integer
+arithmetic in torch, so the GPU (at save time, in the staging buffer) and the CPU (at
+verification, in pinned host memory) compute the same value bit for bit. This guards
+against corruption, not against an attacker who can write the tier: keep tier
+directories and servers private to the serving user.
 """
 
 from __future__ import annotations
@@ -26,39 +27,45 @@ from __future__ import annotations
 import hashlib
 import threading
 
-import numpy as np
 import torch
 
-MAGIC = 0x67346B7632  # "g4kv2": 32-bit words (objects sealed as "g4kv1" fail)
+MAGIC = 0x67346B7633  # "g4kv3"; objects sealed by an older format ("g4kv1", "g4kv2") fail
 SEAL_SHAPE = (4,)
 SEAL_DTYPE = torch.int64
+MAX_WORDS = 1 << 30
+"""Longest object (32-bit words, 4 GiB): beyond it p, and so the weights, would repeat."""
 _SLAB = 1 << 17
-"""Words per multiply-and-sum slab on the CPU: the widened words and products stay in
-cache (format 1 measured 10.9 GB/s on 2 idle cores against 2.2 GB/s for one pass over
-a 42 MiB object; format 2 is 2.5x slower than format 1 in one loaded run, `widen`)."""
+"""Words per multiply-and-sum slab on the CPU: small enough that the widened words and
+their products stay in cache instead of making extra passes over memory."""
 
+_MASK = MAX_WORDS - 1
 _weights: dict[str, torch.Tensor] = {}
 _lock = threading.Lock()
 
 
-def _splitmix64(i: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        z = i + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
+def _mix30(i: torch.Tensor) -> torch.Tensor:
+    """p: a bijection on [0, 2**30) (every step is one: adding a constant, x ^ (x >> k),
+    and multiplying by an odd constant, each mod 2**30). Values stay below 2**62, so
+    int64 holds every step exactly, on any device."""
+    z = i.add(0x2B5D3A97).bitwise_and_(_MASK)  # then in place: up to 2**30 words of them
+    z.bitwise_xor_(z >> 15).mul_(0x7FEB352D).bitwise_and_(_MASK)
+    z.bitwise_xor_(z >> 13).mul_(0x846CA68B).bitwise_and_(_MASK)
+    return z.bitwise_xor_(z >> 16)
 
 
 def weights(num_words: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The first `num_words` weights on `device` (grown and cached per device)."""
-    dev = str(torch.device(device))
+    """The first `num_words` weights on `device` (built there, grown and cached per device)."""
+    if num_words > MAX_WORDS:
+        raise ValueError(f"gemma4-kv: an object of {num_words} 32-bit words is over the "
+                         "checksum's 2**30 words (4 GiB), where its weights would repeat; "
+                         "use a smaller chunk_size")
+    dev = torch.device(device)
     with _lock:
-        w = _weights.get(dev)
+        w = _weights.get(str(dev))
         if w is None or w.numel() < num_words:
-            n = max(num_words, 2 * (w.numel() if w is not None else 0))
-            host = torch.from_numpy(((_splitmix64(np.arange(n, dtype=np.uint64))
-                                      >> np.uint64(33)) | np.uint64(1)).view(np.int64))
-            w = _weights[dev] = host.to(dev)
+            n = min(MAX_WORDS, max(num_words, 2 * (w.numel() if w is not None else 0)))
+            w = _weights[str(dev)] = _mix30(
+                torch.arange(n, dtype=torch.int64, device=dev)).mul_(2).add_(1)
         return w[:num_words]
 
 
@@ -91,8 +98,8 @@ def weighted_sums(objects: torch.Tensor) -> torch.Tensor:
 
 def widen(words: torch.Tensor, masked: bool | None = None) -> torch.Tensor:
     """int32 words as their unsigned values in int64. On the CPU through a uint32 view
-    (one pass: 1.9 GB/s against 1.2 for the masked form, 42 MiB, 2 loaded cores); on a
-    GPU through a mask, which needs no unsigned kernels."""
+    (one pass over the words, where the mask takes two); on a GPU through a mask, which
+    needs no unsigned kernels."""
     if masked if masked is not None else words.device.type != "cpu":
         return words.to(torch.int64) & 0xFFFFFFFF
     return words.view(torch.uint32).to(torch.int64)
