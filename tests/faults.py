@@ -135,6 +135,7 @@ def snapshot(worker, disk: str | None = None) -> dict:
         "hits": len(lookups._hits), "pending": len(lookups._pending),
         "saves_pending": len(w.saves),
         "counters": dict(_totals),
+        "prefill_s_per_token": lookups.wait.rates.prefill_s(1),
         "fillers": len(_armed.get("store_full", {}).get("keys", ())),
     }
     if disk:
@@ -459,33 +460,35 @@ def _disarm_slow_tier(w, state):
     _undo(w, state)
 
 
-# not a fault: the lookups' skip of L2 after a slow tier made to last `seconds`
-def _arm_long_l2_backoff(w, state):
-    """The first skip lasts 5 s by default: a loaded CI machine can outlast it between
+# not a fault: the lookups' skip of L2 after repeated give-ups made to last `seconds`
+def _arm_long_l2_pause(w, state):
+    """The first pause lasts 5 s by default: a loaded CI machine can outlast it between
     two prompts. Disarm ends it, as its time running out would, and says how much of it
     was left (so a test can show a request came while it held)."""
-    backoff = w.lookups._backoff
-    state["was"] = backoff.delay
-    backoff.delay = state["seconds"]
+    wait = w.lookups.wait
+    state["was"] = wait._pause
+    wait._pause = state["seconds"]
 
 
-def _disarm_long_l2_backoff(w, state):
-    backoff = w.lookups._backoff
-    state["left"] = max(0.0, backoff.until - time.monotonic())
-    backoff.until, backoff.delay = time.monotonic(), state["was"]
+def _disarm_long_l2_pause(w, state):
+    wait = w.lookups.wait
+    state["left"] = max(0.0, wait._paused_until - time.monotonic())
+    wait._paused_until, wait._pause = time.monotonic(), state["was"]
 
 
-# a worker rank that does not answer a lookup within the scheduler's RANK_TIMEOUT_S
+# a worker rank that does not answer one lookup within the scheduler's RANK_TIMEOUT_S:
+# the lookup thread is held until the fault is disarmed (at most `stall` seconds)
 def _arm_silent_rank(w, state):
     from gemma4_kv.lookup import messages
 
     lookups = w.lookups
-    stall = state.get("stall", scheduler.RANK_TIMEOUT_S + 1.0)
+    stall = state.get("stall", 60.0)
+    state["go"] = go = threading.Event()
 
     def make(original):
         def handle(msg):
             if isinstance(msg, messages.Lookup) and _one_shot(state):
-                time.sleep(stall)
+                go.wait(stall)
             return original(msg)
         return handle
     _patch(state, lookups, "handle", make)
@@ -496,6 +499,7 @@ def _arm_silent_rank(w, state):
 
 
 def _disarm_silent_rank(w, state):
+    state.pop("go").set()
     w.server._handle = state.pop("server_handle")
     _undo(w, state)
 
@@ -525,7 +529,7 @@ FAULTS = {
     "read_raises": (_arm_read_raises, _undo),
     "l2_load_fails": (_arm_l2_load_fails, _disarm_l2_load_fails),
     "slow_tier": (_arm_slow_tier, _disarm_slow_tier),
-    "long_l2_backoff": (_arm_long_l2_backoff, _disarm_long_l2_backoff),
+    "long_l2_pause": (_arm_long_l2_pause, _disarm_long_l2_pause),
     "silent_rank": (_arm_silent_rank, _disarm_silent_rank),
     "store_full": (_arm_store_full, _disarm_store_full),
 }

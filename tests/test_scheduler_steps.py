@@ -174,6 +174,45 @@ def test_a_rank_that_cannot_key_its_kv_safely_makes_every_lookup_a_miss(half):
     assert half.pinned() == NONE
 
 
+def test_one_unanswered_lookup_is_a_miss_and_pauses_no_other(half):
+    """Rank 1 holds one lookup past the scheduler's timeout (a long GC pause, say): that
+    request misses, and the next request is asked as usual and hits (a single
+    unanswered lookup paused every lookup for 10 s). Nothing stays pinned."""
+    import threading
+
+    from gemma4_kv.lookup import messages
+    from gemma4_kv.lookup.channel import LookupServer
+
+    go, held = threading.Event(), []
+
+    def handle(msg):
+        if isinstance(msg, messages.Lookup) and not held:
+            held.append(msg.req_id)
+            go.wait(30)
+        return half.services[1].handle(msg)
+
+    address = half.servers[1].address
+    half.servers[1].close()
+    half.servers[1] = LookupServer(address, handle)
+    stats = half.connector._scheduler.stats
+    try:
+        before = stats.data.get("lookups_unanswered", 0)
+        slow = half.request(PROMPT)
+        assert half.connector.get_num_new_matched_tokens(slow, 0) == (0, False)
+        assert stats.data["lookups_unanswered"] == before + 1 and held == [slow.request_id]
+        go.set()
+        hit, meta = half.schedule(r := half.request(PROMPT))
+        assert hit == HIT
+        half.work(meta)
+        half.finish(r)
+        half.connector.request_finished_all_groups(slow, ((),) * len(half.layout.groups))
+        assert half.pinned() == NONE
+    finally:
+        go.set()
+        half.servers[1].close()
+        half.servers[1] = LookupServer(address, half.services[1].handle)
+
+
 def test_a_hit_never_ends_inside_an_image(half):
     """Gemma 4 attends both ways within an image: a hit must stop before an image it
     would end inside, so vLLM computes the whole image in one step. By hand (chunk 256,

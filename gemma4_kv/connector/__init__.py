@@ -50,8 +50,9 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             from .scheduler import ConnectorScheduler
 
-            self._scheduler = ConnectorScheduler(vllm_config, kv_cache_config, settings)
             self._stats = Gemma4KVStats()
+            self._scheduler = ConnectorScheduler(vllm_config, kv_cache_config, settings,
+                                                 self._stats)
         else:
             from .worker import ConnectorWorker
 
@@ -102,6 +103,13 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
         self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        """Called before each forward (vLLM may call `start_load_kv` after it, when the
+        step loads nothing synchronously): the step's time counts from here."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.step_started()
 
     @_timed("worker")
     def start_load_kv(self, forward_context, **kwargs) -> None:

@@ -15,3 +15,5 @@ class Gemma4KVMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     finished: list[FinishJob] = field(default_factory=list)
+    num_tokens: int = 0
+    """Tokens the step computes (the worker times the forward per token)."""

@@ -34,6 +34,12 @@ COUNTERS = {
     "rejected_objects": ("Objects from an L2 tier that failed verification", None),
     "hung_l2_prefetches": ("L2 prefetches given up unanswered (their locks released)", None),
     "evicted_objects": ("Objects the CPU tier deleted to make room or as unservable", None),
+    "lookups_unanswered": ("Lookups a worker rank did not answer in time (misses)", None),
+    "l2_waits_given_up": ("Lookups that stopped waiting for an L2 fetch past its budget",
+                          None),
+    "l2_fetches_not_worth_it": ("L2 fetches not asked for: slower than recomputing", None),
+    "l2_lookups_paused": ("Lookups that skipped L2 during a pause after repeated give-ups",
+                          None),
     # in microseconds: vLLM's LLM.get_metrics() reads counters as integers
     "scheduler_us": ("Host time of the scheduler half in vLLM's calls, microseconds", None),
     "scheduler_steps": ("Steps the scheduler half planned", None),

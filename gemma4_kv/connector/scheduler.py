@@ -35,13 +35,16 @@ from ..lookup.sockets import socket_address
 from ..stores.base import HIGH, LOW, ChunkWrite
 from ..transfer.jobs import FinishJob, LoadJob, SaveJob
 from .metadata import Gemma4KVMetadata
+from .metrics import Gemma4KVStats
 
 logger = logging.getLogger(__name__)
 
 
 RANK_TIMEOUT_S = 2.0
-"""A worker rank that has not answered a lookup in this long counts as a miss, and
-lookups are skipped for `RANK_BACKOFF_S` (the scheduler must not stall on it)."""
+"""A worker rank that has not answered a lookup in this long: that request's miss."""
+RANKS_DOWN_AFTER = 2
+"""Unanswered lookups in a row after which lookups are skipped for `RANK_BACKOFF_S`
+(the scheduler must not stall on a dead rank; one slow answer pauses nothing)."""
 RANK_BACKOFF_S = 10.0
 
 
@@ -80,7 +83,9 @@ def drafts_own_kv(vllm_config, layout) -> bool:
 
 
 class ConnectorScheduler:
-    def __init__(self, vllm_config, kv_cache_config, settings: ConnectorSettings):
+    def __init__(self, vllm_config, kv_cache_config, settings: ConnectorSettings,
+                 stats=None):
+        self.stats = stats if stats is not None else Gemma4KVStats()
         self.layout = from_vllm(kv_cache_config)
         self.chunk_size = settings.chunk_size
         check_chunk_size(self.layout, self.chunk_size)
@@ -128,6 +133,7 @@ class ConnectorScheduler:
                                     for r in range(world)],
                                    timeout_ms=int(RANK_TIMEOUT_S * 1000))
         self._ranks_down_until = 0.0
+        self._unanswered = 0  # lookups in a row a rank did not answer
         self.keyer = RequestKeyer(self.chunk_size,
                                   mm_content_hashed=mm_identifiers_are_content_hashes(vllm_config))
         self.kv_cache_manager = None  # bound by vLLM (bind_kv_cache_manager)
@@ -183,13 +189,21 @@ class ConnectorScheduler:
             hit, from_l2 = lookup_all_ranks(self.client, messages.Lookup(
                 request.request_id, hashes, num_computed_tokens, limit, spans, st.pin))
         except RanksDown:
-            logger.warning("gemma4-kv: a worker rank did not answer a lookup; no lookups "
-                           "for %.0f s", RANK_BACKOFF_S)
-            self._ranks_down_until = time.monotonic() + RANK_BACKOFF_S
+            self._unanswered += 1
+            self.stats.add("lookups_unanswered", 1)
+            if self._unanswered >= RANKS_DOWN_AFTER:
+                logger.warning("gemma4-kv: a worker rank did not answer %d lookups in a "
+                               "row; no lookups for %.0f s", self._unanswered, RANK_BACKOFF_S)
+                self._ranks_down_until = time.monotonic() + RANK_BACKOFF_S
+                self._unanswered = 0
+            else:
+                logger.warning("gemma4-kv: a worker rank did not answer a lookup within "
+                               "%.0f s: a miss", RANK_TIMEOUT_S)
             # without waiting: the rank that did not answer would hold the scheduler again
             self.client.tell_all(messages.Release(request.request_id, st.pin))
             st.pending = False
             return 0, False
+        self._unanswered = 0
         st.pending = hit is None
         if hit is None:
             return None, False  # an L2 tier is being asked: vLLM asks again next step
@@ -225,7 +239,8 @@ class ConnectorScheduler:
 
     # -- saves ------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> Gemma4KVMetadata:
-        meta = Gemma4KVMetadata(loads=self._loads, finished=self._finished)
+        meta = Gemma4KVMetadata(loads=self._loads, finished=self._finished,
+                                num_tokens=scheduler_output.total_num_scheduled_tokens)
         self._loads, self._finished = [], []
         if not self.can_save:
             return meta

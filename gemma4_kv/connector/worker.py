@@ -17,12 +17,14 @@ from ..layout.groups import from_vllm
 from ..lookup import messages
 from ..lookup.channel import LookupServer
 from ..lookup.service import LookupService
+from ..lookup.wait import Rates
 from ..lookup.sockets import engine_core_pid, socket_address
 from ..stores.factory import StoreUnavailable, open_store
 from ..stores.lmcache import set_log_level
 from ..transfer.loads import Loads
 from ..transfer.saves import Saves
 from ..transfer.staging import StagingPool
+from ..transfer.step_timer import StepTimer
 from ..transfer.streams import Transfer
 from ..transfer.warmup import warm_up
 from .metadata import Gemma4KVMetadata
@@ -39,6 +41,7 @@ class ConnectorWorker:
         self.chunk_size = settings.chunk_size
         self.stats = Gemma4KVStats()
         self.store = self.server = self.lookups = self.loads = self.saves = None
+        self.steps = None
         self.rank = 0
         self.enabled = True
         """False when this rank cannot key its KV safely: it stores and serves nothing."""
@@ -73,8 +76,11 @@ class ConnectorWorker:
         pool = StagingPool(self.settings.staging_mb << 20, device) if transfer.cuda else None
         record = StatsFile(self.settings.stats_file, self.layout, rank)
         warm_up(transfer, self.layout, caches, self.chunk_size)
+        rates = Rates()
+        self.steps = StepTimer(transfer.cuda, rates.prefill)
         self.lookups = LookupService(self.store, self.layout, self.chunk_size,
-                                     self.settings.lookup_timeout_s, self.stats, record)
+                                     self.settings.lookup_timeout_s, self.stats, record,
+                                     rates)
         self.loads = Loads(self.layout, caches, transfer, self.lookups, self.chunk_size,
                            self.stats, record, rank)
         self.saves = Saves(self.store, self.layout, caches, transfer, pool, self.chunk_size,
@@ -111,6 +117,10 @@ class ConnectorWorker:
                            engine=engine.digest, layers=layers)
 
     # -- each step --------------------------------------------------------------------
+    def step_started(self) -> None:
+        if self.steps is not None:
+            self.steps.start()
+
     def start_load_kv(self, meta: Gemma4KVMetadata) -> None:
         self.loads.start(meta.loads)
 
@@ -118,6 +128,7 @@ class ConnectorWorker:
         self.loads.wait_for_layer(layer_name)
 
     def wait_for_save(self, meta: Gemma4KVMetadata) -> None:
+        self.steps.stop(meta.num_tokens)
         self.loads.end_of_forward()
         for job in meta.saves if self.enabled else ():
             self.saves.submit(job)

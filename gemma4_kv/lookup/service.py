@@ -1,12 +1,11 @@
 """Worker side of a lookup: which hit this rank can serve, and the pins behind it.
 
 Runs on the lookup server's thread (`channel.LookupServer`), answering the scheduler's
-`messages`. A lookup never waits: if a slower tier might extend the hit, it starts the
-store's prefetch and answers `pending` (the scheduler returns None to vLLM, which asks
-again next step); once the prefetch has landed and been verified, or `timeout_s` has
-passed, it answers from the fast tier alone. A tier whose prefetch outlives the timeout
-is left alone for a while (`_Backoff`), so a dead Redis costs one timeout, not one per
-request. The objects of the answered hit stay pinned, named (request, pin number), until
+`messages`. A lookup never waits: if a slower tier might extend the hit by enough to be
+worth it, it starts the store's prefetch and answers `pending` (the scheduler returns
+None to vLLM, which asks again next step); once the prefetch has landed and been
+verified, or its budget has passed (`wait.WaitPolicy`: at most the prefill time of the
+tokens it would add), it answers from the fast tier alone. The objects of the answered hit stay pinned, named (request, pin number), until
 the worker has loaded them (`take` / `done`) or the scheduler releases that pin.
 """
 
@@ -21,6 +20,7 @@ from ..layout.groups import KVLayout
 from ..layout.plan import hit_chunks, servable_hits
 from ..stores.base import ChunkStore, Pinned, Prefetch
 from . import messages
+from .wait import Rates, WaitPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -48,35 +48,16 @@ class _Pending:
     """When the lookup first asked the slower tier (its time counts from there)."""
 
 
-class _Backoff:
-    """After a prefetch outlives its lookup's timeout, skip slower tiers for `delay`
-    seconds (doubling up to a minute); any prefetch that finishes in time resets it."""
-
-    def __init__(self):
-        self.until, self.delay = 0.0, 5.0
-
-    def allows(self, now: float) -> bool:
-        return now >= self.until
-
-    def slow(self, now: float) -> None:
-        if now >= self.until:
-            logger.warning("gemma4-kv: an L2 tier did not answer within the lookup timeout; "
-                           "serving from the CPU tier alone for %.0f s", self.delay)
-            self.until, self.delay = now + self.delay, min(60.0, 2 * self.delay)
-
-    def healthy(self) -> None:
-        self.until, self.delay = 0.0, 5.0
-
-
 class LookupService:
     def __init__(self, store: ChunkStore, layout: KVLayout, chunk_size: int,
-                 timeout_s: float, stats=None, record=None):
+                 timeout_s: float, stats=None, record=None, rates: Rates | None = None,
+                 clock=time.monotonic):
         self.store, self.layout, self.chunk_size = store, layout, chunk_size
-        self.timeout_s = timeout_s
         self.stats, self.record = stats, record
+        self.wait = WaitPolicy(timeout_s, rates, stats)
+        self._clock = clock
         self._hits: dict[tuple[str, int], Hit] = {}  # by (req_id, pin)
         self._pending: dict[str, _Pending] = {}
-        self._backoff = _Backoff()
         self._warned_until = 0.0
         self._lock = threading.Lock()  # _hits: the model thread takes them to load
 
@@ -100,34 +81,38 @@ class LookupService:
         return messages.Failed(f"unexpected message {type(msg).__name__}")
 
     def lookup(self, msg: messages.Lookup) -> messages.LookupReply:
-        t0 = time.monotonic()
+        t0 = self._clock()
         self.store.poll()
         self.release(msg.req_id, msg.pin)
         if msg.start < 0:
             return messages.LookupReply()
-        now = time.monotonic()
+        now = self._clock()
         n = min(len(msg.hashes), -(-msg.limit // self.chunk_size))
         chain = msg.hashes[:n]
         pending = self._pending.pop(msg.req_id, None)
         candidates = None
-        if pending is None and self.store.has_l2 and self._backoff.allows(now):
+        if pending is None and self.store.has_l2 and self.wait.allows(now):
             candidates = self._candidates(chain, msg.start, msg.limit, msg.spans)
-            if candidates[:1] != [min(msg.limit, n * self.chunk_size)]:
-                # A slower tier may hold a longer hit: ask it without waiting.
+            target = min(msg.limit, n * self.chunk_size)
+            have = candidates[0] if candidates else msg.start
+            budget = self.wait.budget(target - have, self.store.fetch_bytes(
+                chain, msg.start, msg.limit)) if have < target else 0.0
+            if budget > 0:  # a slower tier may hold a longer hit worth waiting for
                 prefetch = self.store.start_prefetch(chain, msg.start, msg.limit)
-                self._pending[msg.req_id] = _Pending(prefetch, now + self.timeout_s, now)
+                self._pending[msg.req_id] = _Pending(prefetch, now + budget, now)
                 return messages.LookupReply(pending=True)
         loaded = set()
         if pending is not None:
             t0 = pending.asked
-            if pending.prefetch.finished:
-                self._backoff.healthy()
-                loaded = pending.prefetch.loaded
+            p = pending.prefetch
+            if p.finished:
+                self.wait.fetched(p.loaded_bytes, (p.finished_at or p.started) - p.started)
+                loaded = p.loaded
             elif now < pending.deadline:
                 self._pending[msg.req_id] = pending
                 return messages.LookupReply(pending=True)
             else:
-                self._backoff.slow(now)  # LMCache finishes it; poll() releases its locks
+                self.wait.gave_up(now)  # LMCache finishes it; poll() releases its locks
             candidates = None
         try:
             if candidates is None:
@@ -150,7 +135,7 @@ class LookupService:
         next lookup of this one) are served as before."""
         self.release(msg.req_id, msg.pin)
         self._drop_pending(msg.req_id)
-        now = time.monotonic()
+        now = self._clock()
         if now >= self._warned_until:
             self._warned_until = now + 10.0
             logger.warning("gemma4-kv: a lookup of request %s failed in the store; it is "
@@ -233,7 +218,7 @@ class LookupService:
             return self._hits.pop((req_id, pin), None)
 
     def _count(self, msg: messages.Lookup, hit: int, from_l2: int, t0: float) -> None:
-        seconds = time.monotonic() - t0  # since it first asked L2, if it had to
+        seconds = self._clock() - t0  # since it first asked L2, if it had to
         if self.stats is not None:
             self.stats.lookup(max(0, hit - msg.start), from_l2, seconds)
         if self.record is not None:

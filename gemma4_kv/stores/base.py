@@ -48,8 +48,12 @@ class Prefetch:
 
     started: float
     finished: bool = False
+    finished_at: float | None = None
+    """When it finished (`time.monotonic()`), if it did."""
     loaded: set[ChunkKey] = field(default_factory=set)
     """Objects it brought up into the fast tier (verified)."""
+    loaded_bytes: int = 0
+    """Their size: with `finished_at - started`, the tier's throughput."""
     rejected: int = 0
     """Objects it found damaged and dropped."""
 
@@ -93,6 +97,11 @@ class ChunkStore(abc.ABC):
     def start_prefetch(self, chain: Sequence[bytes], start: int, limit: int) -> Prefetch:
         """Ask slower tiers for what a hit of up to `limit` tokens (after `start`
         local ones) on `chain` needs, without waiting."""
+
+    def fetch_bytes(self, chain: Sequence[bytes], start: int, limit: int) -> int | None:
+        """Bytes a prefetch of the same arguments would bring up from slower tiers, if
+        the store can tell (None: unknown)."""
+        return None
 
     @abc.abstractmethod
     def poll(self) -> None:

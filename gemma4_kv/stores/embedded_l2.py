@@ -80,10 +80,16 @@ class L2Reads:
 
     def _make_room(self, asked: EndSpec) -> bool:
         """Room in L1 for what a prefetch of `asked` may bring up."""
-        missing = [c for c in asked.cells if c not in self.capacity]
-        ok, garbage = self.capacity.room(sum(self._bytes[g] for _, g in missing), asked.key)
+        ok, garbage = self.capacity.room(self._missing_bytes(asked), asked.key)
         self._delete(garbage)
         return ok
+
+    def _missing_bytes(self, asked: EndSpec) -> int:
+        return sum(self._bytes[cell[1]] for cell in asked.cells if cell not in self.capacity)
+
+    def fetch_bytes(self, chain: Sequence[bytes], start: int, limit: int) -> int:
+        """Bytes of the objects a hit of `limit` tokens needs that L1 lacks."""
+        return self._missing_bytes(self._end(chain, limit, 1))
 
     def _submit(self, p: _Prefetch, tasks) -> None:
         planned = [(policy, [(gid, hs, [self.key(h, gid) for h in hs]) for gid, hs in rows])
@@ -134,7 +140,7 @@ class L2Reads:
                 self._submit(p, [([(gid, hs)], "full") for gid, hs in per_group.items()])
                 still.append(p)
             else:
-                p.finished = True
+                p.finished, p.finished_at = True, time.monotonic()
         self._inflight = still
 
     def _give_up(self, p: _Prefetch) -> None:
@@ -257,6 +263,7 @@ class L2Reads:
             self.capacity.kept({**landed, **stray_landed})
             if not p.done_with:
                 self.capacity.hold(p.owner, landed)
+        p.loaded_bytes += sum(landed.values())
         self.tier.unlock(locked)
         self.tier.unlock(p.held)
         if bad:
