@@ -84,7 +84,8 @@ class ConnectorSettings:
         None, "append one JSON line per lookup, load and save (bytes and blocks per group); "
         "its directory must exist", stats_file)
     lookup_timeout_s: float = _key(
-        2.0, "seconds a lookup may wait for an L2 tier before it gives up on that tier",
+        2.0, "seconds a lookup waits for an L2 tier until prefill and the tier's throughput "
+        "are measured; then it waits as long as the hit is worth (at most its prefill time)",
         number(above=0), shown="2")
     retention_interval: int = _key(
         4096, "tokens between stored sliding-window chunks (a multiple of `chunk_size`); "
