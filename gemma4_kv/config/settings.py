@@ -84,8 +84,8 @@ class ConnectorSettings:
         None, "append one JSON line per lookup, load and save (bytes and blocks per group); "
         "its directory must exist", stats_file)
     lookup_timeout_s: float = _key(
-        2.0, "seconds a lookup waits for an L2 tier until prefill and the tier's throughput "
-        "are measured; then it waits as long as the hit is worth (at most its prefill time)",
+        2.0, "seconds a lookup waits for an L2 tier (twice a fetch's expected time if that "
+        "is longer), never longer than the measured prefill time of what it would add",
         number(above=0), shown="2")
     retention_interval: int = _key(
         4096, "tokens between stored sliding-window chunks (a multiple of `chunk_size`); "
