@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 
 from .metrics import Gemma4KVPromMetrics, Gemma4KVStats
 from ..config.settings import ConnectorSettings
+from ..keys import weights
 from ..stores.lmcache import set_log_level
 
 
@@ -56,8 +57,21 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from .worker import ConnectorWorker
 
+            if settings.weights_id is None:  # the fingerprint waits for it
+                weights.start(vllm_config.model_config, vllm_config.load_config)
             self._worker = ConnectorWorker(vllm_config, kv_cache_config, settings)
             self._stats = self._worker.stats
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        """No layout is required. vLLM asks this in the engine core before it profiles
+        (and compiles) the model, its first call to the connector that carries the
+        config: the weights start hashing there, beside that work (a worker then waits
+        for its host's digest, not for a hash of its own)."""
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        if extra.get("weights_id") is None:
+            weights.start(vllm_config.model_config, vllm_config.load_config)
+        return None
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -12,7 +12,7 @@ import torch
 
 from ..config.host_checks import check_host_resources, check_tiers_reachable
 from ..config.settings import ConnectorSettings, SettingsError
-from ..keys.engine import engine_identity, fingerprint, layer_identity
+from ..keys.engine import store_fingerprint
 from ..layout.groups import from_vllm
 from ..lookup import messages
 from ..lookup.channel import LookupServer
@@ -97,24 +97,19 @@ class ConnectorWorker:
 
     def _fingerprint(self, device: torch.device, rank: int, world: int) -> str:
         """The store's namespace: everything the objects' bytes depend on but requests."""
-        model = self.settings.model_id or self.vllm_config.model_config.model
-        # The page interior depends on the attention backend and device (vLLM's CPU
-        # backend stores K transposed): never mix objects across them.
-        page_format = f"{self.kv_cache_config.kv_cache_layout}-{device.type}"
-        engine = engine_identity(self.vllm_config, weights_id=self.settings.weights_id,
-                                 model_id=self.settings.model_id)
-        layers, bad_layers = layer_identity(self.vllm_config,
-                                            [n for g in self.layout.groups for n in g.layers])
-        if engine.unsafe or bad_layers:
-            # The scheduler half sees the engine's reasons and never asks or saves; what
-            # only a worker sees (its layers' scales) it enforces itself: every lookup
-            # misses and no save is made.
+        fp = store_fingerprint(self.vllm_config, self.layout,
+                               kv_cache_layout=self.kv_cache_config.kv_cache_layout,
+                               device=device, chunk_size=self.chunk_size, tp_rank=rank,
+                               tp_size=world, model_id=self.settings.model_id,
+                               weights_id=self.settings.weights_id)
+        if fp.unsafe:
+            # The scheduler half sees the engine's configuration reasons and never asks
+            # or saves; what only a worker sees (its weights, its layers' scales) it
+            # enforces itself: every lookup misses and no save is made.
             self.enabled = False
             logger.warning("gemma4-kv: KV of this engine cannot be keyed safely (%s): "
-                           "nothing is stored or loaded", engine.unsafe or bad_layers)
-        return fingerprint(self.layout, model=f"{model}|{page_format}",
-                           chunk_size=self.chunk_size, tp_rank=rank, tp_size=world,
-                           engine=engine.digest, layers=layers)
+                           "nothing is stored or loaded", fp.unsafe)
+        return fp.name
 
     # -- each step --------------------------------------------------------------------
     def step_started(self) -> None:
