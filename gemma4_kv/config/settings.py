@@ -76,9 +76,10 @@ class ConnectorSettings:
         None, "name of the model in the key fingerprint; set it when one model is served "
         "under several paths", text(optional=True), shown="vLLM's model path")
     weights_id: str | None = _key(
-        None, "identity of the checkpoint's weights in the key fingerprint (default: a hash "
-        "of the weight files' bytes, cached per file version in ~/.cache/gemma4-kv); set "
-        "it to skip hashing a large checkpoint at its first start", text(optional=True),
+        None, "identity of the checkpoint's weights in the key fingerprint (default: a "
+        "sha256 of the files vLLM loads, once per file version and host, in the background, "
+        "cached in ~/.cache/gemma4-kv; see \"Which requests are cached\"); set it to skip "
+        "that hash, and give every other checkpoint another id", text(optional=True),
         shown="the weight files' content")
     stats_file: str | None = _key(
         None, "append one JSON line per lookup, load and save (bytes and blocks per group); "
