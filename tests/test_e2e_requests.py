@@ -78,20 +78,23 @@ BEFORE = ["A", "none", "B", "A", "none", "E1", "E2", "E1", "B"]
 # computes, and any cache stores, the wrong KV for it. GPU (Triton) kernels skip -1.
 BATCHES = [["QA", "QB", "QA"], ["Q", "QE1", "Q"]]
 AFTER_BATCH = ["Q", "QA", "QB", "QE1"]
+STALE = ["none"]  # after the weight update, before the reset: served the old KV
 AFTER = ["none", "none", "A"]  # after the weight update and the reset
 STEPS = [{"prompts": [PROMPTS[n][0] for n in BEFORE]},
          *({"prompts": [PROMPTS[n][0] for n in b], "batch": True} for b in BATCHES),
          {"prompts": [PROMPTS[n][0] for n in AFTER_BATCH]},
          {"metrics": True},
          {"call": "engine_calls:perturb_weights"},
+         {"prompts": [PROMPTS[n][0] for n in STALE]},
          {"reset": True},
          {"prompts": [PROMPTS[n][0] for n in AFTER]},
          {"metrics": True}]
 BATCHED = [n for b in BATCHES for n in b]
-NAMES = BEFORE + BATCHED + AFTER_BATCH + AFTER
+NAMES = BEFORE + BATCHED + AFTER_BATCH + STALE + AFTER
 IN_BATCH = range(len(BEFORE), len(BEFORE) + len(BATCHED))
-MID, RESET, END = 4, 6, 8  # step indices
-N_MID = len(BEFORE + BATCHED + AFTER_BATCH)  # requests before the reset
+MID, RESET, END = 4, 7, 9  # step indices
+N_MID = len(BEFORE + BATCHED + AFTER_BATCH)  # requests before the weight update
+N_AFTER = N_MID + len(STALE)  # the first request after the reset
 
 
 def model_keys(name: str, generation: int) -> list[bytes]:
@@ -129,7 +132,7 @@ def runs(engine_pool):
     # Batched requests modelled one at a time: where a batch's identical pair ran in
     # one step the later one hits nothing instead (see test_hits_...); what is stored
     # is the same either way.
-    requests = ([(model_keys(n, 0), N) for n in BEFORE + BATCHED + AFTER_BATCH]
+    requests = ([(model_keys(n, 0), N) for n in BEFORE + BATCHED + AFTER_BATCH + STALE]
                 + [(model_keys(n, 1), N) for n in AFTER])
     hits, stored = expected_store(layout, requests, CHUNK, RETENTION)
     return dict(base=base, out=out, events=events, log=log, base_log=base_log,
@@ -137,11 +140,22 @@ def runs(engine_pool):
 
 
 def test_outputs_equal_recomputation(runs):
+    """Every request but the one served stale KV on purpose (next test)."""
     base, out = runs["base"], runs["out"]
     assert len(out["outputs"]) == len(NAMES)
     differing = [(i, NAMES[i], c, a, b) for i, (c, a, b) in
-                 enumerate(zip(out["cached"], out["outputs"], base["outputs"])) if a != b]
+                 enumerate(zip(out["cached"], out["outputs"], base["outputs"]))
+                 if a != b and i != N_MID]
     assert not differing, f"greedy tokens differ from recomputation: {differing}"
+
+
+def test_a_weight_update_needs_the_reset(runs):
+    """The control for the reset: weights changed in memory reach no key, so before
+    `reset_prefix_cache(reset_connector=True)` the old KV is a hit (1024 tokens, as
+    before the update) and the tokens are not those the new weights compute; after it
+    the same prompt hits 0 (test_hits_only_between_identical_requests)."""
+    assert runs["out"]["cached"][N_MID] == 1024
+    assert runs["out"]["outputs"][N_MID] != runs["base"]["outputs"][N_MID]
 
 
 def test_negative_controls_in_the_recomputation_engine(runs):
@@ -155,20 +169,22 @@ def test_negative_controls_in_the_recomputation_engine(runs):
     assert all(o == first[n] for n, o in zip(NAMES[:N_MID], outs))
     assert len({tuple(first[n]) for n in PROMPTS}) == len(PROMPTS)  # all nine differ
     assert outs[N_MID] != first["none"]  # the weight update changed the model
-    assert outs[N_MID + 2] != first["A"]
+    assert outs[N_AFTER] != first["none"] and outs[N_AFTER + 2] != first["A"]
     assert runs["base"]["cached"] == [0] * len(NAMES)
 
 
 def test_hits_only_between_identical_requests(runs):
     """Exact hits: the same adapter / embeddings / generation hit the whole servable
     prefix; another adapter or none misses; other embedded rows in chunk 3 keep the
-    hit of the chunks before; nothing from before the reset is served after it."""
+    hit of the chunks before; nothing from before the reset is served after it (the
+    prompt that hit 1024 just before the reset hits 0 just after it)."""
     hits = runs["hits"]
     # E2 shares chunks 0-2 with E1 (its embedded rows start in chunk 3), but E1 kept its
     # sliding windows only before hits at 512 and 1024 (retention): E2 hits 512.
     assert hits == ([0, 0, 0, 1024, 1024, 0, 512, 1024, 1024]  # one at a time
                     + [0, 0, 1024, 0, 0, 1024]  # the batches (if run one at a time)
                     + [1024] * len(AFTER_BATCH)  # then each alone
+                    + [1024]  # after the weight update: the old KV (test above)
                     + [0, 1024, 0])  # after the reset
     cached = runs["out"]["cached"]
     assert [c for i, c in enumerate(cached) if i not in IN_BATCH] == \
