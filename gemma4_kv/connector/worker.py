@@ -75,7 +75,7 @@ class ConnectorWorker:
         transfer = Transfer(device, self.settings.num_programs)
         pool = StagingPool(self.settings.staging_mb << 20, device) if transfer.cuda else None
         record = StatsFile(self.settings.stats_file, self.layout, rank)
-        warm_up(transfer, self.layout, caches, self.chunk_size)
+        warm_up(transfer, self.layout, caches, self.chunk_size, pool)
         rates = Rates()
         self.steps = StepTimer(transfer.cuda, rates.prefill)
         self.lookups = LookupService(self.store, self.layout, self.chunk_size,
