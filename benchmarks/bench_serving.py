@@ -462,10 +462,11 @@ def run_worker(args, system: str, result_path: Path) -> None:
                                0 if "vllm:kv_offload_load_bytes" in after else None)
         external = delta.get("vllm:external_prefix_cache_hits", 0)
         local = delta.get("vllm:prefix_cache_hits", 0)
-        host = {half: delta.get(f"vllm:gemma4_kv_{half}_us", 0) / 1e3
-                / delta[f"vllm:gemma4_kv_{half}_steps"]
+        host = {half + kind: delta.get(f"vllm:gemma4_kv_{half}_us{kind}", 0) / 1e3
+                / delta[f"vllm:gemma4_kv_{half}_steps{kind}"]
                 for half in ("scheduler", "worker")
-                if delta.get(f"vllm:gemma4_kv_{half}_steps")}
+                for kind in ("", "_plain", "_load", "_save")
+                if delta.get(f"vllm:gemma4_kv_{half}_steps{kind}")}
         return dict(wall_s=wall, requests=len(reqs), prompt_tokens=prompt,
                     ttft_mean_s=statistics.fmean(ttfts), ttft_p90_s=p90(ttfts),
                     store_share=external / prompt, gpu_share=local / prompt,

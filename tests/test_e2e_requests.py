@@ -253,6 +253,12 @@ def test_metrics_reach_the_front_end(runs):
     assert end["vllm:gemma4_kv_load_bytes"] == load_bytes
     assert end["vllm:gemma4_kv_save_blocks"] == save_blocks > 0
     assert end["vllm:gemma4_kv_save_bytes"] == save_bytes
+    for half in ("scheduler", "worker"):  # host time per kind of step (issue 24.4)
+        kinds = {k: end.get(f"vllm:gemma4_kv_{half}_steps_{k}", 0)
+                 for k in ("plain", "load", "save")}
+        assert sum(kinds.values()) == end[f"vllm:gemma4_kv_{half}_steps"], (half, kinds)
+        assert kinds["load"] >= 1 and kinds["save"] >= 1 and kinds["plain"] >= 1, (half, kinds)
+        assert all(end.get(f"vllm:gemma4_kv_{half}_us_{k}", 0) > 0 for k in kinds), half
     base = counters(runs["base"]["steps"][END]["result"])
     assert not [k for k in base if k.startswith("vllm:gemma4_kv_")]
     assert base.get("vllm:external_prefix_cache_hits", 0) == 0

@@ -17,10 +17,27 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                               KVConnectorRole, SupportsHMA)
 
-from .metrics import Gemma4KVPromMetrics, Gemma4KVStats
+from .metrics import Gemma4KVPromMetrics, Gemma4KVStats, step_kind
 from ..config.settings import ConnectorSettings
 from ..keys import weights
 from ..stores.lmcache import set_log_level
+
+
+class _StepHostTime:
+    """Host time of one half, per step and per kind of step (`metrics.step_kind`):
+    calls add to the step in progress; `step(kind)` books it as a step of that kind."""
+
+    def __init__(self, stats, half: str):
+        self.stats, self.half, self.us = stats, half, 0.0
+
+    def add(self, us: float) -> None:
+        self.us += us
+        self.stats.add(f"{self.half}_us", us)
+
+    def step(self, kind: str) -> None:
+        self.stats.add(f"{self.half}_us_{kind}", self.us)
+        self.stats.add(f"{self.half}_steps_{kind}", 1)
+        self.us = 0.0
 
 
 def _timed(half: str, step: bool = False):
@@ -33,10 +50,9 @@ def _timed(half: str, step: bool = False):
             try:
                 return fn(self, *args, **kwargs)
             finally:
-                stats = self._stats
-                stats.add(f"{half}_us", 1e6 * (time.perf_counter() - t0))
+                self._host.add(1e6 * (time.perf_counter() - t0))
                 if step:
-                    stats.add(f"{half}_steps", 1)
+                    self._stats.add(f"{half}_steps", 1)
         return timed
     return wrap
 
@@ -54,6 +70,7 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
             self._stats = Gemma4KVStats()
             self._scheduler = ConnectorScheduler(vllm_config, kv_cache_config, settings,
                                                  self._stats)
+            self._host = _StepHostTime(self._stats, "scheduler")
         else:
             from .worker import ConnectorWorker
 
@@ -61,6 +78,7 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
                 weights.start(vllm_config.model_config, vllm_config.load_config)
             self._worker = ConnectorWorker(vllm_config, kv_cache_config, settings)
             self._stats = self._worker.stats
+            self._host = _StepHostTime(self._stats, "worker")
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
@@ -99,8 +117,13 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
         sources = {CacheHitSource.HOST: host, CacheHitSource.DISK: l2}
         return {k: v for k, v in sources.items() if v}
 
-    @_timed("scheduler", step=True)
     def build_connector_meta(self, scheduler_output):
+        meta = self._build_connector_meta(scheduler_output)
+        self._host.step(step_kind(meta))  # this step's calls, this one included
+        return meta
+
+    @_timed("scheduler", step=True)
+    def _build_connector_meta(self, scheduler_output):
         return self._scheduler.build_connector_meta(scheduler_output)
 
     @_timed("scheduler")
@@ -135,9 +158,14 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
         return None  # whole chunks of all layers are stored in wait_for_save
 
-    @_timed("worker", step=True)
     def wait_for_save(self) -> None:
-        self._worker.wait_for_save(self._get_connector_metadata())
+        meta = self._get_connector_metadata()
+        self._wait_for_save(meta)
+        self._host.step(step_kind(meta))  # this step's calls (and the last one's tail)
+
+    @_timed("worker", step=True)
+    def _wait_for_save(self, meta) -> None:
+        self._worker.wait_for_save(meta)
 
     @_timed("worker")
     def get_finished(self, finished_req_ids):

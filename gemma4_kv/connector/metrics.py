@@ -46,7 +46,21 @@ COUNTERS = {
     "worker_us": ("Host time of a worker rank in vLLM's calls, microseconds", None),
     "worker_steps": ("Steps a worker rank ran", None),
 }
+STEP_KINDS = {"plain": "neither load nor save", "load": "load (and may save)",
+              "save": "save and do not load"}
+"""Steps by what the connector does in them (`step_kind`)."""
+for _half in ("scheduler", "worker"):
+    for _kind, _what in STEP_KINDS.items():
+        COUNTERS[f"{_half}_us_{_kind}"] = (
+            f"Host time of the {_half} half in steps that {_what}, microseconds", None)
+        COUNTERS[f"{_half}_steps_{_kind}"] = (f"Steps that {_what}, of the {_half} half",
+                                               None)
 PER_GROUP = ("load_bytes", "save_bytes")
+
+
+def step_kind(meta) -> str:
+    """What the connector does in the step of `meta` (`STEP_KINDS`)."""
+    return "load" if meta.loads else "save" if meta.saves else "plain"
 
 
 @dataclass
@@ -98,9 +112,10 @@ class Gemma4KVStats(KVConnectorStats):
         if d.get("load_seconds"):
             out["load_GB_per_s"] = round(d.get("load_bytes", 0) / d["load_seconds"] / 1e9, 2)
         for half in ("scheduler", "worker"):
-            if d.get(f"{half}_steps"):
-                out[f"{half}_ms_per_step"] = round(
-                    d.get(f"{half}_us", 0) / 1e3 / d[f"{half}_steps"], 3)
+            for suffix in ("", *(f"_{k}" for k in STEP_KINDS)):
+                if d.get(f"{half}_steps{suffix}"):
+                    out[f"{half}_ms_per{suffix}_step"] = round(
+                        d.get(f"{half}_us{suffix}", 0) / 1e3 / d[f"{half}_steps{suffix}"], 3)
         return out
 
     def is_empty(self) -> bool:
