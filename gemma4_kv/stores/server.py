@@ -15,6 +15,8 @@ What differs from the embedded store:
   offered: 0.5.6 makes a dead client's unfinished reservations visible when it reaps the
   client, and other clients may write anything under our names. Bad objects are never
   offered again by this process (`_bad`).
+- Locks, reads and sessions go back without the caller waiting for the server's
+  answers (`server_wire.Later`); `flush` waits for them.
 - A server that does not answer costs one `timeout_s` on the thread that finds out;
   from then on every call is a miss or a skipped save at once, until its heartbeat gets
   answers again (`MPServerTier._beat`).
@@ -256,6 +258,11 @@ class ServerStore(ChunkStore):
     def usage(self) -> tuple[int, int]:
         """(0, size of the server's L1): 0.5.6 reports its use over HTTP only."""
         return 0, self.tier.pool_size
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the locks and sessions given back so far have been answered (they
+        are handed back without waiting: `server_wire.Later`)."""
+        return self.tier.flush(timeout)
 
     def close(self) -> None:
         self._drop_ready()
