@@ -312,20 +312,16 @@ class MPServerTier(ServerWrites, ServerConnection):
 
     def release(self, pin: Pin) -> None:
         """Give the pinned objects back (a run several pins share is handed back on the
-        server when its last user lets go). The calls are sent here, their answers
-        waited for on `Later`'s thread: the caller (the model thread, after a load)
-        does not wait for the server."""
-        if not pin.open:
-            return
-        pin.open = False
-        futures, rids = [], []
+        server when its last user lets go) on `Later`'s thread: the caller (the model
+        thread, after a load) neither waits for the server nor for the lock a read in
+        flight on the lookup thread holds."""
+        if pin.open:
+            pin.open = False
+            self._later.submit(self._released, pin)
+
+    def _released(self, pin: Pin) -> None:
         try:
             futures, rids = self._release(pin)
-        finally:
-            self._later.submit(self._released, pin, futures, rids)
-
-    def _released(self, pin: Pin, futures: list, rids: list[str]) -> None:
-        try:
             if rids and self._healthy:
                 self._finish(futures, rids)
         finally:
