@@ -438,6 +438,34 @@ def test_a_release_does_not_wait_for_the_servers_answers(server):
         store.close()
 
 
+def test_a_save_after_a_hit_does_not_ask_for_what_the_hit_found(server):
+    """After a hit vLLM recomputes the tokens past it and the connector saves their chunk
+    again; the lookup behind the pin found it on the server, so the reservation asks
+    nothing (it cost the model thread a round trip). With the server stopped, such a
+    reserve used to wait `timeout_s` and mark the server down."""
+    store = ServerStore(LAYOUT, FP, CHUNK, url=server.url, timeout_s=5.0)
+    try:
+        put(store, 16, 2)
+        hashes = chunk_hashes(tokens_of(16, 2), CHUNK)
+        assert lookup(store, hashes) == {g: {0, 1} for g in range(3)}
+        pinned = store.pin(hashes, 0, 96)  # ends inside chunk 1
+        assert pinned is not None and store.flush(10)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 10
+            while not _stopped(server.proc.pid):
+                assert time.monotonic() < deadline
+                time.sleep(0.002)
+            res = store.reserve(ChunkWrite("after-hit", hashes, 1, [(0, 1, 2)]))
+            assert res.objects == {} and store.has_l2  # the server was not asked
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        store.release(pinned)
+        assert put(store, 17, 1) == [(0, g) for g in range(3)]  # never found: asked
+    finally:
+        store.close()
+
+
 def test_zz_unfilled_reservations_are_never_committed_by_close(server):
     """0.5.6 commits an instance's open reservations when it is unregistered; `close`
     must not unregister while one is open. (Runs last: the reservation stays write-locked
