@@ -4,7 +4,7 @@ scheduler asks (again every `--step-ms` while the answer is `pending`), for prom
 the tiny Gemma 4 engine of `bench_shared_cpu.py`.
 
     python benchmarks/profile_server_lookup.py [--lookups 60] [--tokens 4096]
-        [--step-ms 1] [--cprofile OUT.prof] [--out OUT.json]
+        [--step-ms 1] [--gap-ms 0] [--cprofile OUT.prof] [--out OUT.json]
 
 Per lookup: the scheduler's rounds (`Lookup` messages until one is answered with a
 hit), the wall time from the first ask to the pin, the load's `release`; the RPCs sent
@@ -85,6 +85,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--step-ms", type=float, default=1.0,
                    help="time between the scheduler's asks while pending")
+    p.add_argument("--gap-ms", type=float, default=0.0,
+                   help="pause after each release (the forward an engine runs between a "
+                        "load's release and the next request's lookup)")
     p.add_argument("--l1-gb", type=float, default=2.0)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (the engine's worker runs one OpenMP thread)")
@@ -177,6 +180,7 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             service.done(hit)
             t_release = time.perf_counter() - t
+            time.sleep(args.gap_ms / 1e3)
             calls = client.calls - before
             return dict(rounds=rounds, hit=reply.pinned, lookup_s=t_pin, release_s=t_release,
                         acked_s=acked,
@@ -216,7 +220,7 @@ def main(argv=None) -> int:
         rpcs.update(r["rpcs"])
     report = dict(
         tokens=args.tokens, hit=rows[0]["hit"], hit_bytes=hit_bytes, lookups=n,
-        step_ms=args.step_ms, load=os.getloadavg(),
+        step_ms=args.step_ms, gap_ms=args.gap_ms, load=os.getloadavg(),
         server_objects=l1["total_object_count"], server_bytes=l1["memory_used_bytes"],
         rounds_median=med("rounds"), lookup_ms_median=1e3 * med("lookup_s"),
         lookup_ms_min=1e3 * min(r["lookup_s"] for r in rows),
