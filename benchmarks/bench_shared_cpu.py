@@ -130,9 +130,6 @@ def run_engine(tmp: Path, name: str, model: str, extra: dict, steps: list, args)
                PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-P", "-m", "gemma4_kv.tools.harness", str(spec_path),
            str(out_path)]
-    if args.py_spy:
-        cmd = ["py-spy", "record", "--subprocesses", "--idle", "--threads", "--rate", "250",
-               "--format", "raw", "-o", str(tmp / f"{name}.py-spy.txt"), "--"] + cmd
     t0 = time.perf_counter()
     with open(tmp / f"{name}.log", "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -248,8 +245,6 @@ def main(argv=None) -> int:
                    "temporary directory)")
     p.add_argument("--probe", action="store_true",
                    help="timing counters inside each engine (shared_probe.py), per pass")
-    p.add_argument("--py-spy", action="store_true",
-                   help="record each engine with py-spy (raw stacks beside its log)")
     args = p.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -361,7 +356,8 @@ def print_table(result: dict) -> None:
         (pass_of(r) or {}).get("hit_tokens", []))))))
     row("stored bytes / prompt token", lambda r: f"{r['stored_bytes_per_prompt_token']:.0f}"
         if "stored_bytes_per_prompt_token" in r else "-")
-    row("saved bytes / prompt token", lambda r: f"{r['saved_bytes'] / (m['prompts'] * m['tokens']):.0f}"
+    tokens = m["prompts"] * m["tokens"]
+    row("saved bytes / prompt token", lambda r: f"{r['saved_bytes'] / tokens:.0f}"
         if r.get("saved_bytes") else "-")
     row("tokens equal recomputation", lambda r: "yes" if r["all_tokens_equal"] else "NO")
     row("engine start, s", lambda r: f"{r['startup_s']:.1f}")

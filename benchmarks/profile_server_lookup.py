@@ -27,7 +27,6 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
-from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -106,7 +105,7 @@ def main(argv=None) -> int:
     from gemma4_kv.layout.plan import hit_chunks
     from gemma4_kv.lookup import messages
     from gemma4_kv.lookup.service import LookupService
-    from gemma4_kv.stores import integrity, server as server_mod, server_shm, server_wire
+    from gemma4_kv.stores import integrity, server as server_mod
     from gemma4_kv.stores.base import ChunkWrite
     from gemma4_kv.stores.server import ServerStore
     from gemma4_kv.tools.harness import tiny_gemma4_config
