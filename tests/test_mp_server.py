@@ -9,8 +9,10 @@ sessions left behind.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -153,8 +155,10 @@ def test_a_hit_holds_only_what_it_loads(server):
         wanted = cells(0, 256)
         pinned = store.pin(hashes, 0, 256)
         assert pinned is not None
+        assert store.flush(10)  # frees and releases are answered on a thread of their own
         assert server.locks()[0] == len(wanted) < 12  # the others were freed
         store.release(pinned)
+        assert store.flush(10)
         assert server.locks() == (0, 0, 0)
         # Without a settled lookup a pin looks up itself; beyond what is stored: None.
         longer = hashes + chunk_hashes(tokens_of(9, 1), CHUNK)
@@ -162,6 +166,7 @@ def test_a_hit_holds_only_what_it_loads(server):
         pinned = store.pin(hashes, 0, 64)
         assert pinned is not None
         store.release(pinned)
+        assert store.flush(10)
         assert server.locks() == (0, 0, 0)
     finally:
         store.close()
@@ -183,6 +188,7 @@ def test_requests_with_one_prefix_each_get_their_own_lookup(server):
         assert all(pins) and not store._ready
         for pin in pins:
             store.release(pin)
+        assert store.flush(10)
         assert server.locks() == (0, 0, 0)
     finally:
         store.close()
@@ -203,8 +209,10 @@ def test_two_pins_of_one_range_share_the_servers_read(server):
         assert all(torch.equal(bits(x[0]), bits(y[0])) for x, y in zip(va, vb))
         assert server.locks()[0] == 2  # objects read-locked (twice each)
         tier.release(a)
+        assert tier.flush(10)
         assert server.locks()[0] == 2  # b still holds them
         tier.release(b)
+        assert tier.flush(10)
         assert server.locks() == (0, 0, 0)
     finally:
         tier.close()
@@ -225,6 +233,7 @@ def test_presence_is_a_prefix_on_lmcache_056(server):
         assert lookup(store, hashes) == NONE
         assert store.pin(hashes, 128, 192) is None
         store.poll()
+        assert store.flush(10)
         assert server.locks() == (0, 0, 0)
     finally:
         store.close()
@@ -306,13 +315,15 @@ def test_reset_during_a_load_keeps_the_loads_locks(server):
         hashes = chunk_hashes(tokens_of(11, 2), CHUNK)
         assert lookup(store, hashes) == {g: {0, 1} for g in range(3)}
         held = store.pin(hashes, 0, 128)  # a load in flight: 2 chunks x 3 groups
-        assert held is not None and server.locks()[0] == 6
+        assert held is not None and store.flush(10) and server.locks()[0] == 6
         assert store.reset()
+        assert store.flush(10)
         assert server.locks()[0] == 6  # the load's locks survive the reset
         assert old_ids <= set(server.status()["registered_non_cuda_instance_ids"])
         assert torch.equal(bits(held.views[(hashes[1], 2)]),
                            bits(payload((1, 2), held.views[(hashes[1], 2)], 11)))
         store.release(held)
+        assert store.flush(10)
         assert store.has_l2  # every release call was answered
         assert server.locks() == (0, 0, sessions)
         registered = set(server.status()["registered_non_cuda_instance_ids"])
@@ -339,6 +350,7 @@ def test_a_lookup_in_flight_at_a_reset_is_never_offered(server):
             time.sleep(0.002)
         assert store.resident(hashes) == NONE
         assert store.pin(hashes, 0, 128) is None
+        assert store.flush(10)
         assert server.locks()[:2] == (0, 0)
     finally:
         store.close()
@@ -378,6 +390,7 @@ def test_a_dead_servers_l1_is_unmapped_once_nothing_reads_it():
                                    bits(payload((1, 2), held.views[(hashes[1], 2)], 12)))
                 store.release(held)
                 held = None
+                assert store.flush(10)
                 assert len(_mapped_segments(s.shm)) == 1
         assert put(store, 12, 2) == [(c, g) for c in range(2) for g in range(3)]
         present, pinned, exact = read_back(store, 12, 2)
@@ -387,6 +400,92 @@ def test_a_dead_servers_l1_is_unmapped_once_nothing_reads_it():
             store.close()
         s.stop()
     assert not _mapped_segments(s.shm)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP), by the kernel's own account."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+def test_a_release_does_not_wait_for_the_servers_answers(server):
+    """A load gives its pin back on the model thread: the release sends its calls and
+    returns, their answers are waited for on a thread of its own (`flush`). With the
+    server stopped (SIGSTOP) the release used to wait `timeout_s` for it and then mark
+    it down; now the server is still counted up, its answers owed until it runs again,
+    and then every lock and session is given back."""
+    sessions = server.locks()[2]  # earlier tests' crashed clients may leave some
+    store = ServerStore(LAYOUT, FP, CHUNK, url=server.url, timeout_s=5.0)
+    try:
+        put(store, 15, 2)
+        hashes = chunk_hashes(tokens_of(15, 2), CHUNK)
+        assert lookup(store, hashes) == {g: {0, 1} for g in range(3)}
+        pinned = store.pin(hashes, 0, 128)
+        assert pinned is not None and store.flush(10)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 10
+            while not _stopped(server.proc.pid):
+                assert time.monotonic() < deadline
+                time.sleep(0.002)
+            store.release(pinned)
+            assert store.has_l2  # nothing waited for the stopped server
+            assert not store.flush(0)  # its answers are owed
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert store.flush(10) and store.has_l2
+        assert server.locks() == (0, 0, sessions)
+    finally:
+        store.close()
+
+
+def test_a_release_does_not_wait_for_a_read_in_flight(server):
+    """A read on the lookup thread holds the tier's state lock while the server prepares
+    its objects; a release on the model thread used to wait for that lock (2 releases
+    took 36.7 ms together in an engine). It now only queues its work."""
+    store = open_store(server.url)
+    try:
+        put(store, 18, 2)
+        hashes = chunk_hashes(tokens_of(18, 2), CHUNK)
+        assert lookup(store, hashes) == {g: {0, 1} for g in range(3)}
+        pinned = store.pin(hashes, 0, 128)
+        assert pinned is not None
+        with store.tier._state:  # what a read in flight holds
+            releasing = threading.Thread(target=store.release, args=(pinned,))
+            releasing.start()
+            releasing.join(10)
+            assert not releasing.is_alive()  # returned while the lock was held
+        assert store.flush(10)
+    finally:
+        store.close()
+
+
+def test_a_save_after_a_hit_does_not_ask_for_what_the_hit_found(server):
+    """After a hit vLLM recomputes the tokens past it and the connector saves their chunk
+    again; the lookup behind the pin found it on the server, so the reservation asks
+    nothing (it cost the model thread a round trip). With the server stopped, such a
+    reserve used to wait `timeout_s` and mark the server down."""
+    store = ServerStore(LAYOUT, FP, CHUNK, url=server.url, timeout_s=5.0)
+    try:
+        put(store, 16, 2)
+        hashes = chunk_hashes(tokens_of(16, 2), CHUNK)
+        assert lookup(store, hashes) == {g: {0, 1} for g in range(3)}
+        pinned = store.pin(hashes, 0, 96)  # ends inside chunk 1
+        assert pinned is not None and store.flush(10)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 10
+            while not _stopped(server.proc.pid):
+                assert time.monotonic() < deadline
+                time.sleep(0.002)
+            res = store.reserve(ChunkWrite("after-hit", hashes, 1, [(0, 1, 2)]))
+            assert res.objects == {} and store.has_l2  # the server was not asked
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        store.release(pinned)
+        assert put(store, 17, 1) == [(0, g) for g in range(3)]  # never found: asked
+    finally:
+        store.close()
 
 
 def test_zz_unfilled_reservations_are_never_committed_by_close(server):
@@ -434,6 +533,7 @@ def test_zzz_killed_server_fails_fast_and_a_restarted_one_is_used_again(server):
         assert torch.equal(bits(held.views[(hashes[1], 2)]),
                            bits(payload((1, 2), held.views[(hashes[1], 2)], 8)))
         store.release(held)
+        assert store.flush(10)
         assert store.has_l2
         assert lookup(store, hashes) == NONE  # the old server's objects went with it
         assert put(store, 8, 2) == [(c, g) for c in range(2) for g in range(3)]

@@ -15,6 +15,8 @@ What differs from the embedded store:
   offered: 0.5.6 makes a dead client's unfinished reservations visible when it reaps the
   client, and other clients may write anything under our names. Bad objects are never
   offered again by this process (`_bad`).
+- Locks, reads and sessions go back without the caller waiting for the server's
+  answers (`server_wire.Later`); `flush` waits for them.
 - A server that does not answer costs one `timeout_s` on the thread that finds out;
   from then on every call is a miss or a skipped save at once, until its heartbeat gets
   answers again (`MPServerTier._beat`).
@@ -24,6 +26,7 @@ What differs from the embedded store:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -43,6 +46,8 @@ logger = logging.getLogger(__name__)
 ABANDON_S = 60.0
 """A lookup the server has not finished in this long is given up (its locks expire with
 the server's read-lock TTL)."""
+HELD_MAX = 1 << 16
+"""Objects remembered as held by the server (`_held`), oldest forgotten first."""
 
 
 @dataclass
@@ -72,6 +77,13 @@ class ServerStore(ChunkStore):
         # their own): lookup thread only.
         self._ready: dict[tuple[bytes, ...], list[tuple[float, Lookup]]] = {}
         self._bad: set[tuple[str, bytes, int]] = set()
+        # Objects a pinned lookup found on the server process now running, (epoch,
+        # namespace, hash, group), oldest first: the save after a hit rewrites the hit's
+        # last chunk, which the server holds (a reservation would cost the model thread
+        # a round trip for nothing). Each is used once (`reserve`): after an eviction
+        # the next save stores it.
+        self._held: dict[tuple[int, str, bytes, int], bool] = {}
+        self._held_lock = threading.Lock()
 
     @property
     def has_l2(self) -> bool:
@@ -165,6 +177,7 @@ class ServerStore(ChunkStore):
             self._drop(lk)
             lk = None
         pin = None
+        found = dict(lk.found) if lk is not None else {}
         try:
             pin = self.tier.keep(lk, cells) if lk else self.tier.lock(chain, cells)
             objects = self.tier.read(pin) if pin is not None else None
@@ -184,7 +197,17 @@ class ServerStore(ChunkStore):
                            self.tier.url)
             self._release_pin(pin)
             return None
+        self._note_held(pin.epoch, pin.space.namespace, chain, found)
         return Pinned({ck: kv for ck, (kv, _) in zip(chunk_keys, objects)}, [pin])
+
+    def _note_held(self, epoch: int, namespace: str, chain: Sequence[bytes],
+                   found: dict[int, int]) -> None:
+        with self._held_lock:
+            for g, n in found.items():
+                for c in range(min(n, len(chain))):
+                    self._held[(epoch, namespace, chain[c], g)] = True
+            while len(self._held) > HELD_MAX:
+                del self._held[next(iter(self._held))]
 
     def _release_pin(self, pin) -> None:
         if pin is not None:
@@ -203,12 +226,17 @@ class ServerStore(ChunkStore):
     def reserve(self, write: ChunkWrite) -> Reservation:
         """Empty objects in the server's L1 for the chunks of `write`, keyed by its chain
         from chunk 0. Chunks the server holds already, or has no room for, get none (a
-        chunk may be stored for some of its groups only: each object stands alone)."""
+        chunk may be stored for some of its groups only: each object stands alone);
+        those a pinned lookup found there are not asked for (`_held`)."""
         prefix = write.chain[:write.first + len(write.groups)]
         per_group: dict[int, set[int]] = defaultdict(set)
-        for i, gids in enumerate(write.groups):
-            for g in gids:
-                per_group[g].add(write.first + i)
+        epoch, ns = self.tier.epoch, self.tier.space.namespace
+        with self._held_lock:
+            for i, gids in enumerate(write.groups):
+                c = write.first + i
+                for g in gids:
+                    if not self._held.pop((epoch, ns, prefix[c], g), False):
+                        per_group[g].add(c)
         if not per_group or not self.tier.healthy:
             return _Reservation({})
         try:
@@ -256,6 +284,11 @@ class ServerStore(ChunkStore):
     def usage(self) -> tuple[int, int]:
         """(0, size of the server's L1): 0.5.6 reports its use over HTTP only."""
         return 0, self.tier.pool_size
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the locks and sessions given back so far have been answered (they
+        are handed back without waiting: `server_wire.Later`)."""
+        return self.tier.flush(timeout)
 
     def close(self) -> None:
         self._drop_ready()

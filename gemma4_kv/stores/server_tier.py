@@ -74,6 +74,8 @@ class Pin:
     """Runs whose locks the server already gave up (a failed retrieve)."""
     open: bool = True
     """Counted in `space.open_reads` until `release`."""
+    freeing: list = field(default_factory=list)
+    """Frees `keep` sent in these sessions, answered before `release` ends them."""
 
 
 class MPServerTier(ServerWrites, ServerConnection):
@@ -199,35 +201,44 @@ class MPServerTier(ServerWrites, ServerConnection):
 
     def keep(self, lk: Lookup, chunks: Sequence[tuple[int, int]] | None) -> Pin | None:
         """Hold the locks of these (chunk index, group id) objects of a finished lookup
-        and free all others; None (nothing held) if any of them was not found."""
+        and free all others; None (nothing held) if any of them was not found. The frees
+        are sent, not waited for (`Later`): nothing here needs their answers."""
         want: dict[int, set[int]] = defaultdict(set)
         for c, g in chunks or ():
             want[g].add(c)
         if not lk.open:
             raise ValueError("keep() of a lookup already kept or forgotten")
-        ok = lk.epoch == self.epoch and bool(chunks) and all(
-            max(cs) < lk.found.get(g, 0) for g, cs in want.items())
+        lk.open = False
+        if lk.epoch != self.epoch:  # its server is gone, and its locks with it
+            self._close_read(lk.space)
+            return None
+        ok = bool(chunks) and all(max(cs) < lk.found.get(g, 0) for g, cs in want.items())
+        if not ok:
+            want.clear()
+        ended, freeing, sent = [], [], False
         try:
-            if lk.epoch != self.epoch:
-                return None
-            if not ok:
-                want.clear()
-            frees = [f for g, hit in lk.found.items()
-                     for f in self._free(lk.space, lk.tokens, g, lk.rids[g],
-                                         set(range(hit)) - want[g])]
-            self._finish(frees, [rid for g, rid in lk.rids.items() if not want[g]])
-        except BaseException:
-            ok = False
-            raise
+            for g, hit in lk.found.items():
+                frees = self._free(lk.space, lk.tokens, g, lk.rids[g], set(range(hit)) - want[g])
+                (freeing if want[g] else ended).extend(frees)
+            sent = True
         finally:
-            lk.open = False
-            if not ok:
-                self._close_read(lk.space)
+            self._later.submit(self._kept, lk.space, ended,
+                               [rid for g, rid in lk.rids.items() if not want[g]],
+                               not (ok and sent))
         if not ok:
             return None
         self._use(lk.epoch, 1)
         return Pin(lk.space, lk.tokens, tuple(chunks), {g: lk.rids[g] for g in want},
-                   {g: runs(cs) for g, cs in want.items()}, lk.epoch)
+                   {g: runs(cs) for g, cs in want.items()}, lk.epoch, freeing=freeing)
+
+    def _kept(self, space: Space, frees: list, rids: list[str], closing: bool) -> None:
+        """`keep`'s answers: the sessions of groups the pin does not use end once their
+        frees are answered; a lookup that pinned nothing stops counting as a reader."""
+        try:
+            self._finish(frees, rids)
+        finally:
+            if closing:
+                self._close_read(space)
 
     def lock(self, hashes: Sequence[bytes], chunks: Sequence[tuple[int, int]]) -> Pin | None:
         """Pin these (chunk index, group id) objects of the prefix `hashes`; all or none."""
@@ -301,22 +312,30 @@ class MPServerTier(ServerWrites, ServerConnection):
 
     def release(self, pin: Pin) -> None:
         """Give the pinned objects back (a run several pins share is handed back on the
-        server when its last user lets go)."""
-        if not pin.open:
-            return
-        try:
-            self._release(pin)
-        finally:
+        server when its last user lets go) on `Later`'s thread: the caller (the model
+        thread, after a load) neither waits for the server nor for the lock a read in
+        flight on the lookup thread holds."""
+        if pin.open:
             pin.open = False
+            self._later.submit(self._released, pin)
+
+    def _released(self, pin: Pin) -> None:
+        try:
+            futures, rids = self._release(pin)
+            if rids and self._healthy:
+                self._finish(futures, rids)
+        finally:
             self._close_read(pin.space)
             self._use(pin.epoch, -1)
 
-    def _release(self, pin: Pin) -> None:
-        futures, space = [], pin.space
+    def _release(self, pin: Pin) -> tuple[list, list[str]]:
+        """Send what gives the pin's locks back: (the calls to wait for, the sessions to
+        end after them)."""
+        futures, space = list(pin.freeing), pin.space
         with self._state:
             if self._stale(pin):
                 pin.read_runs.clear()
-                return
+                return [], []
             for g, runs in pin.runs.items():
                 rid = pin.sessions[g]
                 for a, b in runs:
@@ -336,8 +355,7 @@ class MPServerTier(ServerWrites, ServerConnection):
                     futures += self._free(space, pin.tokens, g, rid, range(a, b))
             pin.read_runs.clear()
             pin.spent.update((g, a, b) for g, rs in pin.runs.items() for a, b in rs)
-        if self._healthy:
-            self._finish(futures, pin.sessions.values())
+        return futures, list(pin.sessions.values())
 
     def _stale(self, thing) -> bool:
         """Made on a server process that is gone (its state went with it)."""

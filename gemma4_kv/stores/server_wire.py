@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import struct
 import threading
 import time
@@ -44,6 +45,50 @@ SEAL_BYTES = 8 * integrity.SEAL_SHAPE[0]
 
 class ServerUnavailable(ConnectionError):
     """The server did not answer in time: dead, restarting, or it refused the call."""
+
+
+class Later:
+    """Work that waits for the server on a thread of its own, in submission order: the
+    answers to calls that hand locks and sessions back, which no caller needs (the
+    lookup thread answers the scheduler, the model thread runs the forward). `flush`
+    waits until everything submitted so far has run."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Condition()
+        self._submitted = self._finished = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args) -> None:
+        with self._done:
+            self._submitted += 1
+        self._jobs.put((fn, args))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Whether everything submitted before this call has run (within `timeout`)."""
+        with self._done:
+            target = self._submitted
+            return self._done.wait_for(lambda: self._finished >= target, timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        self.flush(timeout)
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, args = job
+            try:
+                fn(*args)
+            except ServerUnavailable:
+                pass  # what it held on the server expires there
+            except Exception:  # noqa: BLE001 - one failed job must not stop the others
+                logger.exception("gemma4-kv: a deferred call to the lmcache server failed")
+            finally:
+                with self._done:
+                    self._finished += 1
+                    self._done.notify_all()
 
 
 def server_argv(lmcache: str, *, port: int, shm_name: str, l1_gb: float, http_port: int,
@@ -127,6 +172,7 @@ class ServerConnection:
         except Exception:
             self._client.close()
             raise
+        self._later = Later("gemma4kv-mp-later")
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, args=(ping_interval_s,),
                                            name="gemma4kv-mp-ping", daemon=True)
@@ -239,6 +285,11 @@ class ServerConnection:
     def healthy(self) -> bool:
         return self._healthy
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every lock and session handed back so far has been answered (or
+        given up): what the server reports after this includes them."""
+        return self._later.flush(timeout)
+
     def rename(self, namespace: str) -> None:
         """Use new registrations under `namespace` from now on (`ChunkStore.reset`); the
         old ones are unregistered once nothing is open in them (`_settle`)."""
@@ -299,6 +350,8 @@ class ServerConnection:
         would commit them unwritten (0.5.6 `_release_entry`); they expire instead."""
         self._stop.set()
         self._heartbeat.join(timeout=self.timeout_s + 1)
+        # Hand back what is still owed first: unregistering drops the locks it holds.
+        self._later.close(timeout=4 * self.timeout_s)
         space = self._space
         if self._healthy and not space.open_writes:
             try:

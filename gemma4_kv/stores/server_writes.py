@@ -69,7 +69,7 @@ class ServerWrites:
         if not reserved:
             with self._state:
                 space.open_writes -= 1
-            self._call(self._client.end_session(rid), "end_session")
+            self._later.submit(self._finish, [], [rid])
         else:
             self._use(self.epoch, 1)
         return Write(space, tokens, rid, reserved, objects, self.epoch)
@@ -97,9 +97,14 @@ class ServerWrites:
                 space.open_writes -= 1
         finally:
             self._close_write(write)
-        self._finish([], [write.request_id])
-        self._settle(space)
+        # Answered commits are visible to every lookup from now on; the session's end
+        # needs no waiting.
+        self._later.submit(self._committed, space, write.request_id)
         return ok
+
+    def _committed(self, space: Space, request_id: str) -> None:
+        self._finish([], [request_id])
+        self._settle(space)
 
     def abort(self, write: Write) -> None:
         """Leave the reservations uncommitted: the server drops them after its write TTL
@@ -108,4 +113,4 @@ class ServerWrites:
             logger.warning("gemma4-kv: reserved objects left to expire on %s", self.url)
             self._close_write(write)  # still counted open: never unregistered
             if self._healthy:
-                self._call(self._client.end_session(write.request_id), "end_session")
+                self._later.submit(self._finish, [], [write.request_id])
