@@ -39,7 +39,7 @@ def _bench(tmp_path, args):
 
 
 def _loop_cpu_gb() -> float:
-    doc = 2 * 266_240 + 5 * 135_168
+    doc = 2 * 270_336 + 5 * 135_168
     return 2.5 * doc / (1 << 30)
 
 
@@ -123,8 +123,9 @@ def test_a_loop_larger_than_the_cpu_tier_keeps_hitting_on_a_stable_subset(engine
     4 tiny documents of 512 tokens + a 16-token question, 3 rounds in one order, a CPU
     tier of 2.5 documents as this connector keeps them. Worked out by hand: each
     document's hit is its 2 full chunks (512 tokens) and needs, in LMCache's L1 (4 KiB
-    allocation units), 2 full-attention objects of 266,240 bytes and one window chunk of
-    each of the 5 sliding groups, 135,168 bytes each: 1,208,320 bytes. Two fit; the
+    allocation units), 2 full-attention objects (266,240 bytes, padded to twice the
+    sliding object: 270,336) and one window chunk of each of the 5 sliding groups,
+    135,168 bytes each: 1,216,512 bytes. Two fit; the
     third and fourth, asked as often as those, evict nothing. So every warm round serves
     2 x 512 of its 4 x 528 prompt tokens from the store, and always the same two
     documents (LRU, in the same loop, would serve none)."""
