@@ -25,6 +25,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_serving.py"
 
 SERVING_TEST = "test_serving_benchmark_runs_on_cpu"
 LOOP_TEST = "test_a_loop_larger_than_the_cpu_tier_keeps_hitting_on_a_stable_subset"
+ZIPF_TEST = "test_a_zipf_order_keeps_the_hot_documents"
 RUNS = ("fits,over", "chat", "zipf")
 """Scenario runs of the serving smoke test, side by side; `zipf` repeats prompts."""
 
@@ -39,7 +40,7 @@ def _bench(tmp_path, args):
 
 
 def _loop_cpu_gb() -> float:
-    doc = 2 * 266_240 + 5 * 135_168
+    doc = 2 * 270_336 + 5 * 135_168
     return 2.5 * doc / (1 << 30)
 
 
@@ -60,6 +61,15 @@ def engine_jobs(tmp_path_factory, selected):
             "--tiny", "--inproc", "--systems", "gemma4-kv", "--scenarios", "loop",
             "--docs", "4", "--loop-rounds", "3", "--cpu-gb", f"{_loop_cpu_gb():.9f}",
             "--warmup-docs", "1", "--settle-s", "0.1"])))
+    if ZIPF_TEST in selected:
+        # max_model_len 640 (one short chat turn): 81 blocks of GPU KV are then enough
+        # for one request and hold nothing a later request can reuse
+        jobs.append(("zipf-hot", 60.0, lambda: _bench(tmp_path_factory.mktemp("zipf"), [
+            "--tiny", "--inproc", "--systems", "gemma4-kv", "--scenarios", "zipf",
+            "--docs", "4", "--zipf-requests", "8", "--seed", "12",
+            "--cpu-gb", f"{_loop_cpu_gb():.9f}", "--kv-cache-gb", "0.0025",
+            "--chat-turns", "1", "--chat-history", "64", "--warmup-docs", "1",
+            "--settle-s", "0.1"])))
     return jobs
 
 
@@ -123,8 +133,9 @@ def test_a_loop_larger_than_the_cpu_tier_keeps_hitting_on_a_stable_subset(engine
     4 tiny documents of 512 tokens + a 16-token question, 3 rounds in one order, a CPU
     tier of 2.5 documents as this connector keeps them. Worked out by hand: each
     document's hit is its 2 full chunks (512 tokens) and needs, in LMCache's L1 (4 KiB
-    allocation units), 2 full-attention objects of 266,240 bytes and one window chunk of
-    each of the 5 sliding groups, 135,168 bytes each: 1,208,320 bytes. Two fit; the
+    allocation units), 2 full-attention objects (266,240 bytes, padded to twice the
+    sliding object: 270,336) and one window chunk of each of the 5 sliding groups,
+    135,168 bytes each: 1,216,512 bytes. Two fit; the
     third and fourth, asked as often as those, evict nothing. So every warm round serves
     2 x 512 of its 4 x 528 prompt tokens from the store, and always the same two
     documents (LRU, in the same loop, would serve none)."""
@@ -138,3 +149,27 @@ def test_a_loop_larger_than_the_cpu_tier_keeps_hitting_on_a_stable_subset(engine
         assert r["store_tokens"] == 2 * 512 and r["prompt_tokens"] == 4 * 528
     served = [{q["label"].split("q")[0] for q in r["req"] if q["cached"]} for r in rounds[1:]]
     assert served[0] == served[1] and len(served[0]) == 2  # the same two documents
+
+
+def test_a_zipf_order_keeps_the_hot_documents(engine_pool):
+    """bench_serving's `zipf` order through vLLM's CPU build: 8 requests over 4 tiny
+    documents (512 tokens + a 16-token question), drawn with weights 1, 1/2, 1/3, 1/4
+    (seed 12: documents 1 0 1 3 | 0 1 3 0, 2 in flight), a CPU tier of 2.5 documents
+    as this connector keeps them (two fit, see the loop test), and a GPU KV cache of 81
+    blocks that holds nothing a later request can reuse. Worked out by hand: documents
+    1 and 0 are stored (room); document 1 hits (asked twice now); document 3, asked once
+    as often as document 0, evicts nothing. Round 1: document 0 hits (twice now), 1 hits
+    (three times), 3 is asked a second time but 0 and 1 are asked as often or more:
+    nothing to evict; 0 hits. So the store serves 512 tokens to requests 3, 5, 6 and 8
+    and the hot documents stay. (LRU keeping two documents evicts 0 for 3, then each
+    document before it comes back: no hit in round 1.)"""
+    proc, out = engine_pool.result((__name__, "zipf-hot"))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rounds = json.loads((out / "serving.json").read_text())[
+        "systems"]["gemma4-kv"]["scenarios"]["zipf"]["rounds"]
+    assert [[q["label"] for q in r["req"]] for r in rounds] == [
+        ["d1q0", "d0q1", "d1q0", "d3q1"], ["d0q0", "d1q1", "d3q0", "d0q1"]]
+    assert [[q["cached"] for q in r["req"]] for r in rounds] == [
+        [0, 0, 512, 0], [512, 512, 0, 512]]
+    for r in rounds:
+        assert r["gpu_tokens"] == 0 and r["store_tokens"] == sum(q["cached"] for q in r["req"])

@@ -161,6 +161,73 @@ def test_intermediate_windows_leave_before_any_final_hit():
         small.close()
 
 
+# A shape like Gemma 4 12B's: a sliding group's object holds twice the KV of a
+# full-attention one (2 x 1 layer x 32 tokens x 4 heads x 1024 bf16 = 512 KiB, against
+# 2 heads: 256 KiB), and the 32-byte trailer takes one 4 KiB page more on each.
+WIDE = KVLayout((
+    KVGroup(0, AttentionKind.SLIDING, 2 * CHUNK, 16, 4, 1024, 1024, torch.bfloat16, ("s0",)),
+    KVGroup(1, AttentionKind.SLIDING, 2 * CHUNK, 16, 4, 1024, 1024, torch.bfloat16, ("s1",)),
+    KVGroup(2, AttentionKind.FULL, None, 32, 2, 1024, 1024, torch.bfloat16, ("f",)),
+))
+FULL_OBJECT = (256 + 4) << 10
+SLIDING_OBJECT = 2 * FULL_OBJECT  # 516 KiB, padded by 4 KiB to two full objects
+
+
+def _wide_store(cpu_bytes: int) -> EmbeddedStore:
+    return EmbeddedStore(WIDE, fingerprint(WIDE, model="wide", chunk_size=CHUNK), CHUNK,
+                         StoreConfig(cpu_bytes=cpu_bytes))
+
+
+def test_objects_take_whole_multiples_of_the_smallest_where_that_costs_little(store):
+    """L1 allocates first fit: objects are padded to whole multiples of the smallest when
+    that costs at most 2 % (WIDE: 4 KiB on 516), and left alone otherwise (LAYOUT's 12
+    and 8 KiB objects would need 33 %)."""
+    gen = torch.Generator().manual_seed(7)
+    wide = _wide_store(1 << 22)
+    try:
+        chain = chunk_hashes(list(range(2 * CHUNK)), CHUNK)
+        put(wide, chain, gen, groups=(0, 1, 2))
+        assert wide.usage()[0] == 2 * (2 * SLIDING_OBJECT + FULL_OBJECT)
+        assert wide.pin(chain, 0, 2 * CHUNK) is not None
+    finally:
+        wide.close()
+    put(store, chunk_hashes(list(range(CHUNK)), CHUNK), gen)
+    assert store.usage()[0] == OBJECT[0] + OBJECT[1]
+
+
+def test_a_loop_keeps_as_many_documents_as_their_bytes_allow():
+    """8 documents of 8 chunks in a loop, 3 rounds, each saved in two steps of 4 chunks
+    as the scheduler half does, with LOW ends every 2 chunks and the final hit at 8: every
+    chunk of both sliding groups is in the 2-chunk window of some end. A final hit is 8
+    full objects and 2 groups x 2 window chunks: 16 x 266,240 bytes; the tier holds 4.5
+    of them. LOW windows go first and ties evict nothing, so documents 0-3 hit in rounds
+    1 and 2 and 4-7 never get in. Without the padding a sliding object is 4 KiB short of
+    two full ones: a full object in a freed sliding one's place leaves 256 KiB that fits
+    no object, and L1 ran out with room to spare by the account (2 documents kept)."""
+    wide = _wide_store(int(4.5 * (8 * FULL_OBJECT + 4 * SLIDING_OBJECT)))
+    ends = [(2 * CHUNK, LOW), (4 * CHUNK, LOW), (6 * CHUNK, LOW), (8 * CHUNK, HIGH)]
+    docs = [chunk_hashes(list(range(1000 * d, 1000 * d + 8 * CHUNK)), CHUNK) for d in range(8)]
+    hits, n = [], 0
+    try:
+        for _ in range(3):
+            row = []
+            for chain in docs:
+                n += 1
+                pinned = wide.pin(chain, 0, 8 * CHUNK, f"r{n}")
+                row.append(int(pinned is not None))
+                if pinned is not None:
+                    wide.release(pinned)
+                    continue
+                for first in (0, 4):
+                    wide.commit(wide.reserve(ChunkWrite(f"r{n}", chain, first,
+                                                        [(0, 1, 2)] * 4, ends)))
+                wide.on_request_finished(f"r{n}")
+            hits.append(row)
+        assert hits == [[0] * 8, [1] * 4 + [0] * 4, [1] * 4 + [0] * 4]
+    finally:
+        wide.close()
+
+
 def test_an_aborted_prefill_leaves_nothing_behind(store):
     """A request that ends before its hit's last chunk is written: what it wrote serves
     no hit and leaves L1 when it finishes."""

@@ -59,6 +59,36 @@ class StoreConfig:
         return specs
 
 
+PAD_LIMIT = 0.02
+"""Most padding an object takes (share of its size) to be a whole multiple of the
+smallest (`object_layouts`)."""
+
+
+def object_layouts(layout: KVLayout, chunk_size: int, allocated) -> dict[int, tuple]:
+    """Per group id, the (shapes, dtypes) of its objects in L1: the chunk's KV, the
+    integrity trailer and, where it costs at most `PAD_LIMIT`, padding that makes the
+    object's allocation (`allocated(shapes, dtypes)`) a whole multiple of the smallest
+    group's. L1 allocates first fit from one arena, so a smaller object taking the place
+    of a freed larger one leaves the rest; on the 12B shape a sliding object (4 MiB of KV
+    and a 4 KiB trailer page) is 4 KiB short of two full-attention ones, and that rest
+    fits no object: L1 runs out with room to spare by the account (the tier sweep lost
+    a document's worth at every tier size)."""
+    plain = {g.group_id: ([torch.Size(g.chunk_shape(chunk_size)),
+                           torch.Size(integrity.SEAL_SHAPE)], [g.dtype, integrity.SEAL_DTYPE])
+             for g in layout.groups}
+    sizes = {gid: allocated(*sd) for gid, sd in plain.items()}
+    unit = min(sizes.values())
+    out = {}
+    for gid, (shapes, dtypes) in plain.items():
+        want = -(-sizes[gid] // unit) * unit
+        raw = sum(s.numel() * torch.empty((), dtype=d).element_size()
+                  for s, d in zip(shapes, dtypes))
+        if want > sizes[gid] and want - sizes[gid] <= PAD_LIMIT * sizes[gid]:
+            shapes, dtypes = shapes + [torch.Size([want - raw])], dtypes + [torch.uint8]
+        out[gid] = (shapes, dtypes)
+    return out
+
+
 @dataclass
 class _Reservation(Reservation):
     keys: list = field(default_factory=list)
@@ -76,11 +106,10 @@ class EmbeddedStore(L2Reads, ChunkStore):
         self.tier = StorageLayer(config.cpu_bytes, adapters)
         self._groups = [g.group_id for g in layout.groups]
         self._layouts, self._bytes = {}, {}
-        for g in layout.groups:
-            shapes = [torch.Size(g.chunk_shape(chunk_size)), torch.Size(integrity.SEAL_SHAPE)]
-            dtypes = [g.dtype, integrity.SEAL_DTYPE]
-            self._layouts[g.group_id] = self.tier.layout(shapes, dtypes)
-            self._bytes[g.group_id] = self.tier.allocated_bytes(shapes, dtypes)
+        for gid, (shapes, dtypes) in object_layouts(layout, chunk_size,
+                                                    self.tier.allocated_bytes).items():
+            self._layouts[gid] = self.tier.layout(shapes, dtypes)
+            self._bytes[gid] = self.tier.allocated_bytes(shapes, dtypes)
         self._windows = {g.group_id: window_chunks(g, chunk_size) for g in layout.groups}
         self._full = [g.group_id for g in layout.groups if g.kind is AttentionKind.FULL]
         self._total = self.tier.usage()[1]
