@@ -72,7 +72,7 @@ class LMCacheServer:
     `server_wire.server_argv`, as the README and the tests start it)."""
 
     def __init__(self, l1_gb: float, log: Path):
-        from gemma4_kv.stores.server_wire import server_argv
+        from gemma4_kv.stores.server import server_argv
 
         exe = Path(sys.executable).with_name("lmcache")
         self.port, self.http = free_port(), free_port()

@@ -16,7 +16,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from gemma4_kv.stores.server_wire import server_argv
+from gemma4_kv.stores.server import server_argv
 from needs import skip_or_fail
 
 ENV = dict(os.environ, LMCACHE_DISABLE_BANNER="1", LMCACHE_TRACK_USAGE="false")

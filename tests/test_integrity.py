@@ -182,3 +182,36 @@ def test_both_widenings_give_the_unsigned_words():
     want = [(1 << 32) - 1, 0, 5, 1 << 31, (1 << 31) - 1]
     assert integrity.widen(words, masked=False).tolist() == want
     assert integrity.widen(words, masked=True).tolist() == want
+
+
+def _objects(device_for_seal="cpu"):
+    """Three sealed objects of two sizes; the second damaged in one bit afterwards, the
+    third checked under another key: (objects as (kv, trailer, key), expected)."""
+    gen = torch.Generator().manual_seed(31)
+    out = []
+    for i, n in enumerate((4096, 1536, 4096)):
+        kv = torch.randint(-2**15, 2**15, (2, 3, n), dtype=torch.int16, generator=gen)
+        kv = kv.view(torch.bfloat16)
+        trailer = torch.empty(integrity.SEAL_SHAPE, dtype=integrity.SEAL_DTYPE)
+        integrity.seal(kv.to(device_for_seal), trailer, 1000 + i)
+        out.append([kv, trailer, 1000 + i])
+    out[1][0].view(torch.int16)[1, 2, 7] ^= 1
+    out[2][2] = 7
+    return [tuple(o) for o in out], [True, False, False]
+
+
+def test_a_verification_on_the_host_agrees_with_verify():
+    objects, expected = _objects()
+    assert [integrity.verify(*o) for o in objects] == expected
+    check = integrity.Verification(objects, "cpu")
+    assert check.done() and check.result() == expected
+
+
+@pytest.mark.cuda
+def test_a_verification_on_the_gpu_agrees_with_verify_on_pinned_objects():
+    """The objects sit in pinned host memory, as the server's registered L1 does: copied
+    to the GPU by DMA and summed there, each verdict equals the host's."""
+    objects, expected = _objects("cuda")
+    pinned = [(kv.pin_memory(), t.pin_memory(), key) for kv, t, key in objects]
+    check = integrity.Verification(pinned, torch.device("cuda"))
+    assert check.result() == expected and check.done()

@@ -1,5 +1,5 @@
 """The store on a running `lmcache server` (engine-driven, SHM L1) against real server
-processes: `ServerStore` (what the connector uses) and its wire client `MPServerTier`.
+processes: `ServerStore` (what the connector uses) and the reads under it (`ServerReads`).
 
 Each store is one registration, as an engine's rank is (engines in other processes:
 tests/test_e2e_mp_server.py); the server's own status page is the oracle for locks and
@@ -26,14 +26,13 @@ from gemma4_kv.keys.engine import fingerprint
 from model_keys import chunk_hashes
 from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
 from gemma4_kv.layout.plan import hit_chunks
-from gemma4_kv.stores.base import ChunkWrite
+from gemma4_kv.stores.base import HIGH, LOW, ChunkWrite
 from gemma4_kv.connector.metrics import Gemma4KVStats
 from gemma4_kv.config.host_checks import check_tiers_reachable
 from gemma4_kv.config.settings import ConnectorSettings, SettingsError
-from gemma4_kv.stores.server_shm import UnsupportedServer
-from gemma4_kv.stores.server_tier import MPServerTier
-from gemma4_kv.stores.server_wire import object_slots, server_argv
-from gemma4_kv.stores.server import ServerStore
+from gemma4_kv.stores.server import (ServerConnection, ServerStore, UnsupportedServer,
+                                     object_slots, server_argv)
+from gemma4_kv.stores.server.reads import ServerReads
 from lmcache_servers import ENV, Server, free_port
 from paged import bits, random_bits
 
@@ -74,11 +73,15 @@ def open_store(url: str, fp: str = FP, **kw) -> ServerStore:
     return ServerStore(LAYOUT, fp, CHUNK, url=url, timeout_s=TIMEOUT, **kw)
 
 
-def put(store: ServerStore, seed: int, chunks: int, groups=(0, 1, 2), seal: bool = True):
-    """Store chunks 0..chunks-1 of prompt `seed` as the Saver does; returns what was
-    reserved as sorted (chunk, group)."""
+def put(store: ServerStore, seed: int, chunks: int, groups=(0, 1, 2), seal: bool = True,
+        ends=None):
+    """Store chunks 0..chunks-1 of prompt `seed` as the Saver does, for hits ending at
+    `ends` (default: the prompt's end); returns what was reserved as sorted (chunk,
+    group). Sliding groups keep only the windows before the ends: by hand, group 0
+    (window 128) needs the two chunks before an end, group 1 (window 256) the four."""
     hashes = chunk_hashes(tokens_of(seed, chunks), CHUNK)
-    res = store.reserve(ChunkWrite("put", hashes, 0, [groups] * chunks))
+    ends = [(chunks * CHUNK, HIGH)] if ends is None else ends
+    res = store.reserve(ChunkWrite("put", hashes, 0, [groups] * chunks, ends))
     index = {h: i for i, h in enumerate(hashes)}
     for (h, g), (kv, trailer, key) in res.objects.items():
         kv.copy_(payload((index[h], g), kv, seed))
@@ -88,15 +91,19 @@ def put(store: ServerStore, seed: int, chunks: int, groups=(0, 1, 2), seal: bool
     return sorted((index[h], g) for h, g in res.objects)
 
 
-def lookup(store: ServerStore, hashes) -> dict[int, set[int]]:
-    """What the lookup service sees: a prefetch, polled until settled, then resident."""
+def lookup(store: ServerStore, hashes, keep: bool = True) -> dict[int, set[int]]:
+    """What the lookup service sees: a prefetch, polled until settled, then resident.
+    With `keep` the verified hit stays held for a `pin`; else it goes back."""
     p = store.start_prefetch(hashes, 0, len(hashes) * CHUNK)
     deadline = time.monotonic() + 10
     while not p.finished:
         assert time.monotonic() < deadline
         store.poll()
         time.sleep(0.002)
-    return store.resident(hashes)
+    resident = store.resident(hashes)
+    if not keep:
+        store.finish_prefetch(p)
+    return resident
 
 
 def cells(start: int, hit: int) -> list[tuple[int, int]]:
@@ -129,7 +136,9 @@ def test_objects_hold_the_kv_and_its_trailer():
 def test_one_client_stores_another_reads_bit_exact(server):
     """Two registrations (engines); engines in other processes: tests/test_e2e_mp_server.py."""
     writer = open_store(server.url)
-    assert put(writer, 1, 3) == [(c, g) for c in range(3) for g in range(3)]
+    # Group 0 (window 128) is stored only in the window before the end: chunks 1-2.
+    assert put(writer, 1, 3) == [(0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1),
+                                 (2, 2)]
     writer.close()
     # A window-aware hit of 192 tokens: group 0 (window 128) needs tokens 65-191, its
     # chunks 1-2; group 1 (window 256) and group 2 (full) every chunk.
@@ -140,7 +149,7 @@ def test_one_client_stores_another_reads_bit_exact(server):
         present, pinned, exact = read_back(store, 1, 3)
     finally:
         store.close()
-    assert present == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
+    assert present == {0: [1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
     assert pinned and exact
     assert server.locks() == (0, 0, 0)  # every lock and session given back
 
@@ -150,20 +159,22 @@ def test_a_hit_holds_only_what_it_loads(server):
     try:
         put(store, 2, 4)
         hashes = chunk_hashes(tokens_of(2, 4), CHUNK)
-        assert lookup(store, hashes) == {g: {0, 1, 2, 3} for g in range(3)}
-        assert server.locks()[0] == 12  # the settled lookup holds its locks for the pin
+        # By hand: group 0's window before 256 is chunks 2-3; group 1's (256) all four.
+        assert lookup(store, hashes) == {0: {2, 3}, 1: {0, 1, 2, 3}, 2: {0, 1, 2, 3}}
+        assert store.flush(10)  # frees are answered on a thread of their own
         wanted = cells(0, 256)
+        assert len(wanted) == 10
+        assert server.locks()[0] == 10  # the verified hit holds its objects' locks only
         pinned = store.pin(hashes, 0, 256)
         assert pinned is not None
-        assert store.flush(10)  # frees and releases are answered on a thread of their own
-        assert server.locks()[0] == len(wanted) < 12  # the others were freed
         store.release(pinned)
         assert store.flush(10)
         assert server.locks() == (0, 0, 0)
         # Without a settled lookup a pin looks up itself; beyond what is stored: None.
         longer = hashes + chunk_hashes(tokens_of(9, 1), CHUNK)
         assert store.pin(longer, 256, 320) is None
-        pinned = store.pin(hashes, 0, 64)
+        assert store.pin(hashes, 0, 64) is None  # no window was stored for an end at 64
+        pinned = store.pin(hashes, 0, 256)
         assert pinned is not None
         store.release(pinned)
         assert store.flush(10)
@@ -194,10 +205,59 @@ def test_requests_with_one_prefix_each_get_their_own_lookup(server):
         store.close()
 
 
+def test_only_the_windows_hits_can_use_are_stored_and_each_end_hits(server):
+    """A 512-token prompt with hit ends 256 and 512 (retention 256). By hand: group 0
+    (window 128) needs chunks 2-3 before 256 and 6-7 before 512; group 1 (window 256)
+    chunks 0-3 and 4-7; the full group all 8: 20 objects, as the embedded store's
+    `retained_chunks` keeps (dense storage held 24). A prompt sharing the first 256
+    tokens hits 256 from the other window."""
+    store = open_store(server.url, retention_interval=256)
+    try:
+        stored = put(store, 21, 8, ends=[(256, LOW), (512, HIGH)])
+        assert stored == sorted([(c, 0) for c in (2, 3, 6, 7)] + [(c, g) for c in range(8)
+                                                                  for g in (1, 2)])
+        assert len(stored) == 20
+        hashes = chunk_hashes(tokens_of(21, 8), CHUNK)
+        assert lookup(store, hashes, keep=False) == {0: {6, 7}, 1: {4, 5, 6, 7},
+                                                     2: set(range(8))}
+        other = chunk_hashes(tokens_of(21, 8)[:256] + tokens_of(22, 4), CHUNK)
+        assert other[:4] == hashes[:4] and other[4] != hashes[4]
+        assert lookup(store, other) == {0: {2, 3}, 1: {0, 1, 2, 3}, 2: {0, 1, 2, 3}}
+        pinned = store.pin(other, 0, 256)
+        assert pinned is not None and all(
+            torch.equal(bits(v), bits(payload((hashes.index(h), g), v, 21)))
+            for (h, g), v in pinned.views.items())
+        store.release(pinned)
+        assert store.flush(10)
+        assert server.locks()[:2] == (0, 0)
+    finally:
+        store.close()
+
+
+def test_an_end_whose_window_a_later_one_overlaps_is_not_stored_twice(server):
+    """Ends 128 and 192 of a 3-chunk prompt: group 0's windows (chunks 0-1 and 1-2)
+    share chunk 1, which goes to the later end only; group 1's window before 128
+    (chunks 0-1) lies inside the one before 192 (0-2). So 128 cannot be served from the
+    server, 192 can, and no object is stored twice: 3 + 3 + 3 = 9 objects."""
+    store = open_store(server.url, retention_interval=64)
+    try:
+        assert len(put(store, 23, 3, ends=[(128, LOW), (192, HIGH)])) == 9
+        hashes = chunk_hashes(tokens_of(23, 3), CHUNK)
+        assert lookup(store, hashes, keep=False) == {0: {1, 2}, 1: {0, 1, 2},
+                                                     2: {0, 1, 2}}
+        shorter = chunk_hashes(tokens_of(23, 3)[:128] + tokens_of(24, 1), CHUNK)
+        assert lookup(store, shorter) == NONE
+        assert store.flush(10)
+        assert server.locks()[:2] == (0, 0)
+    finally:
+        store.close()
+
+
 def test_two_pins_of_one_range_share_the_servers_read(server):
     """The server keys pending reads by (instance, key) without the request id; two pins
     of the same range must not lose each other's locks."""
-    tier = MPServerTier(server.url, LAYOUT, FP, CHUNK)
+    conn = ServerConnection(server.url, LAYOUT, FP, CHUNK)
+    tier = ServerReads(conn)
     try:
         writer = open_store(server.url)
         put(writer, 3, 2)
@@ -209,13 +269,14 @@ def test_two_pins_of_one_range_share_the_servers_read(server):
         assert all(torch.equal(bits(x[0]), bits(y[0])) for x, y in zip(va, vb))
         assert server.locks()[0] == 2  # objects read-locked (twice each)
         tier.release(a)
-        assert tier.flush(10)
+        assert conn.flush(10)
         assert server.locks()[0] == 2  # b still holds them
         tier.release(b)
-        assert tier.flush(10)
+        assert conn.flush(10)
         assert server.locks() == (0, 0, 0)
     finally:
         tier.close()
+        conn.close()
 
 
 def test_presence_is_a_prefix_on_lmcache_056(server):
@@ -225,7 +286,7 @@ def test_presence_is_a_prefix_on_lmcache_056(server):
     store = open_store(server.url)
     try:
         hashes = chunk_hashes(tokens_of(4, 3), CHUNK)
-        res = store.reserve(ChunkWrite("gap", hashes, 1, [(0, 1, 2)] * 2))
+        res = store.reserve(ChunkWrite("gap", hashes, 1, [(0, 1, 2)] * 2, [(192, HIGH)]))
         assert sorted(res.objects) == sorted((h, g) for h in hashes[1:] for g in range(3))
         for (h, g), (kv, trailer, key) in res.objects.items():
             integrity.seal(kv, trailer, key)
@@ -256,30 +317,29 @@ def test_unfinished_writes_made_visible_are_never_offered(server):
     verifies every object it reads and never offers a bad one."""
     crashed = open_store(server.url)
     hashes = chunk_hashes(tokens_of(6, 2), CHUNK)
-    res = crashed.reserve(ChunkWrite("crashed", hashes, 0, [(0, 1, 2)] * 2))
+    res = crashed.reserve(ChunkWrite("crashed", hashes, 0, [(0, 1, 2)] * 2, [(128, HIGH)]))
+    assert len(res.objects) == 6
     for (h, g), (kv, trailer, key) in res.objects.items():
         kv.copy_(payload((hashes.index(h), g), kv, 6))  # filled, never sealed or committed
         if h == hashes[0]:
             integrity.seal(kv, trailer, key)
-    space = crashed.tier._space
+    space = crashed.conn.space
     for iid in space.ids.values():  # what the reaper does to a dead client
-        crashed.tier._client.unregister_kv_cache_engine_driven_context(iid).result(5)
+        crashed.conn.client.unregister_kv_cache_engine_driven_context(iid).result(5)
     reader = open_store(server.url, stats=Gemma4KVStats())
     try:
-        assert lookup(reader, hashes) == {g: {0, 1} for g in range(3)}  # the server says so
-        assert sorted(cells(64, 128)) == [(1, 0), (1, 1), (1, 2)]
-        assert reader.pin(hashes, 64, 128) is None
+        # The server holds all 6 objects; chunk 1's 3 fail verification: no hit offered.
+        assert lookup(reader, hashes) == NONE
         assert reader.stats.take().data["rejected_objects"] == 3
-        # Known bad from now on: every group's run ends before them.
-        assert lookup(reader, hashes) == {g: {0} for g in range(3)}
-        good = reader.pin(hashes, 0, 64)  # sealed: offered
-        assert good is not None
-        reader.release(good)
+        assert reader.pin(hashes, 0, 128) is None
+        # Known bad from now on: not read (nor counted) again, never offered.
+        assert lookup(reader, hashes) == NONE
+        assert "rejected_objects" not in (reader.stats.take() or Gemma4KVStats()).data
         reader.poll()
     finally:
         reader.close()
-        crashed.tier._stop.set()
-        crashed.tier._client.close()
+        crashed.conn._stop.set()
+        crashed.conn.client.close()
 
 
 def test_reset_makes_this_engines_objects_unreachable_to_it_only(server):
@@ -376,13 +436,13 @@ def test_a_dead_servers_l1_is_unmapped_once_nothing_reads_it():
         held = store.pin(hashes, 64, 128)
         assert held is not None and len(_mapped_segments(s.shm)) == 1
         for restart in range(2):
-            epoch = store.tier.epoch
+            epoch = store.conn.epoch
             s.restart()
             deadline = time.monotonic() + RECOVERY_BOUND
-            while (store.tier.epoch == epoch or not store.has_l2) \
+            while (store.conn.epoch == epoch or not store.has_l2) \
                     and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert store.tier.epoch == epoch + 1 and store.has_l2
+            assert store.conn.epoch == epoch + 1 and store.has_l2
             # the first restart's old segment is still read by `held`
             assert len(_mapped_segments(s.shm)) == (2 if held is not None else 1), restart
             if held is not None:
@@ -450,7 +510,7 @@ def test_a_release_does_not_wait_for_a_read_in_flight(server):
         assert lookup(store, hashes) == {g: {0, 1} for g in range(3)}
         pinned = store.pin(hashes, 0, 128)
         assert pinned is not None
-        with store.tier._state:  # what a read in flight holds
+        with store.conn.state:  # what a read in flight holds
             releasing = threading.Thread(target=store.release, args=(pinned,))
             releasing.start()
             releasing.join(10)
@@ -569,7 +629,7 @@ def test_a_server_of_another_wire_format_is_refused_at_connect():
                 assert proc.poll() is None and time.monotonic() < deadline
                 time.sleep(0.5)
         with pytest.raises(UnsupportedServer, match="versions must match"):
-            MPServerTier(f"tcp://localhost:{port}", LAYOUT, FP, CHUNK, timeout_s=2.0)
+            ServerConnection(f"tcp://localhost:{port}", LAYOUT, FP, CHUNK, timeout_s=2.0)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -580,18 +640,17 @@ def test_a_server_of_another_wire_format_is_refused_at_connect():
 URL = "tcp://127.0.0.1:5555"
 
 
-def test_settings_make_sliding_chunks_dense_and_refuse_embedded_tiers():
+def test_settings_keep_retention_and_refuse_embedded_tiers():
     s = ConnectorSettings.from_extra_config({"lmcache_server": URL})
-    assert s.retention_interval == 0 and not s.embedded_store
+    assert s.retention_interval == 4096 and not s.embedded_store
     assert s.lmcache_server_timeout_s == 1.0
+    assert s.store_config().retention_interval == 4096
     assert ConnectorSettings.from_extra_config(
-        {"lmcache_server": URL, "retention_interval": 0}).retention_interval == 0
+        {"lmcache_server": URL, "retention_interval": 512}).retention_interval == 512
     for extra, match in [
             ({"cpu_gb": 8}, r'\["cpu_gb"\] cannot be combined with lmcache_server'),
             ({"disk_path": "/tmp"}, r'\["disk_path"\] cannot be combined'),
             ({"l2_adapters": []}, r'\["l2_adapters"\] cannot be combined'),
-            ({"retention_interval": 512}, r"must be 0 with lmcache_server: LMCache 0.5.6 "
-                                          r"reports only the leading run"),
             ({"verify_checksums": False}, r"cannot be false with lmcache_server"),
             ({"lmcache_server_timeout_s": 3}, r"must be at most 1.5")]:
         with pytest.raises(SettingsError, match=match):
@@ -614,7 +673,7 @@ def test_something_else_on_the_port_is_not_taken_for_a_server():
     worker turns this into a SettingsError naming lmcache_server, `worker.open_store`)."""
     import socket
 
-    from gemma4_kv.stores.server_wire import ServerUnavailable
+    from gemma4_kv.stores.server import ServerUnavailable
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

@@ -15,7 +15,7 @@ import torch
 
 from gemma4_kv.layout.groups import AttentionKind, KVGroup
 from gemma4_kv.transfer.mover import BlockMoves, gather, scatter_by_layer
-from gemma4_kv.stores.server_shm import cuda_host_register
+from gemma4_kv.stores.server.shm import cuda_host_register
 from paged import bits, make_paged
 
 pytestmark = pytest.mark.cuda

@@ -103,8 +103,8 @@ class ConnectorSettings:
         None, "URL (`tcp://HOST:PORT`) of a running `lmcache server` on this host "
         "(LMCache 0.5.6, engine-driven, shared-memory L1) that stores the KV instead of "
         "the embedded tiers, shared by every engine pointed at it; not with `cpu_gb`, "
-        "`disk_path`, `disk_gb`, `l2_adapters`; sliding-window chunks are then stored "
-        "for every chunk (see \"Sharing one cache\")", server_url)
+        "`disk_path`, `disk_gb`, `l2_adapters`; generated tokens are then not stored "
+        "(see \"Sharing one cache\")", server_url)
     lmcache_server_timeout_s: float = _key(
         1.0, "seconds one call to `lmcache_server` may wait for an answer before the "
         "server counts as down (misses until it answers again); at most "
@@ -137,7 +137,7 @@ class ConnectorSettings:
                         f"{bad.fix}, or leave the key out (default {json_text(f.default)})"
                     raise error(f'["{f.name}"]{bad.sub}', bad.problem, got, fix) from None
         if values.get("lmcache_server"):
-            values.update(_with_server(values, extra))
+            _check_server(values, extra)
         s = cls(**values)
         s._check_together()
         return s
@@ -172,18 +172,17 @@ class ConnectorSettings:
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
             raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
         if self.lmcache_server:
-            return ServerConfig(self.lmcache_server, self.lmcache_server_timeout_s)
+            return ServerConfig(self.lmcache_server, self.lmcache_server_timeout_s,
+                                self.retention_interval)
         return StoreConfig(cpu_bytes=int(self.cpu_gb * GiB) // ranks,
                            disk_path=self.disk_path, disk_gb=self.disk_gb / ranks,
                            l2_adapters=tuple(copy.deepcopy(self.l2_adapters)),
                            verify_checksums=self.verify_checksums)
 
 
-def _with_server(values: dict, extra: Mapping) -> dict:
-    """What `lmcache_server` changes: no embedded tiers, sliding-window chunks stored for
-    every chunk (LMCache 0.5.6 reports only the leading run of stored chunks of each
-    group, so a sliding group past an unstored chunk could never hit), and checksums
-    always verified (0.5.6 makes a dead client's unfinished writes visible)."""
+def _check_server(values: dict, extra: Mapping) -> None:
+    """What `lmcache_server` excludes: the embedded tiers, and unverified objects (0.5.6
+    makes a dead client's unfinished writes visible)."""
     url = values["lmcache_server"]
     given = [k for k in SERVER_EXCLUSIVE if k in extra]
     if given:
@@ -191,12 +190,6 @@ def _with_server(values: dict, extra: Mapping) -> dict:
                      "server's own L1 and L2 tiers store the KV)", show(extra[given[0]]),
                      f"remove {', '.join(given)}, or remove lmcache_server ({json_text(url)}); "
                      "size the server with `lmcache server --l1-size-gb` / `--l2-adapter`")
-    r = values.get("retention_interval", 0)
-    if "retention_interval" in extra and r != 0:
-        raise error('["retention_interval"]', "must be 0 with lmcache_server: LMCache 0.5.6 "
-                     "reports only the leading run of stored chunks of each group, so "
-                     "sliding-window chunks are stored for every chunk", show(r),
-                     "remove retention_interval (or write 0)")
     if values.get("verify_checksums") is False:
         raise error('["verify_checksums"]', "cannot be false with lmcache_server: LMCache "
                      "0.5.6 makes a dead client's unfinished writes visible, so every object "
@@ -207,7 +200,6 @@ def _with_server(values: dict, extra: Mapping) -> dict:
         raise error('["lmcache_server_timeout_s"]', f"must be at most {SERVER_TIMEOUT_MAX_S:g} "
                      "(the scheduler waits 2 s for a worker rank's lookup answer)", show(t),
                      f"write a number in (0, {SERVER_TIMEOUT_MAX_S:g}]")
-    return {"retention_interval": 0}
 
 
 def _unknown(unknown: list, known: list[str]) -> SettingsError:

@@ -33,6 +33,7 @@ from ..lookup.channel import LookupClient
 from ..lookup.ranks import RanksDown, lookup_all_ranks
 from ..lookup.sockets import socket_address
 from ..stores.base import HIGH, LOW, ChunkWrite
+from ..stores.factory import capabilities
 from ..transfer.jobs import FinishJob, LoadJob, SaveJob
 from .metadata import Gemma4KVMetadata
 from .metrics import Gemma4KVStats
@@ -90,6 +91,9 @@ class ConnectorScheduler:
         self.chunk_size = settings.chunk_size
         check_chunk_size(self.layout, self.chunk_size)
         self.settings = settings
+        # A store that cannot serve hits ending among generated tokens stores none.
+        self.save_generated = settings.save_decode_tokens and capabilities(
+            settings.store_config()).stores_generated
         for g in self.layout.groups:
             if g.window is not None and g.window < self.chunk_size:
                 logger.warning(
@@ -296,7 +300,7 @@ class ConnectorScheduler:
         known = len(st.request.all_token_ids) - self.draft_lookahead
         prompt = min(computed + scheduled, st.prompt_len, known)
         done = prompt // self.chunk_size
-        if self.settings.save_decode_tokens and computed >= st.prompt_len:
+        if self.save_generated and computed >= st.prompt_len:
             done = max(done, min(computed - self.decode_margin, known) // self.chunk_size)
         return done
 

@@ -66,7 +66,7 @@ class ConnectorWorker:
         try:
             self.store = open_store(self.settings.store_config(ranks=world), self.layout,
                                     self.fingerprint, self.chunk_size, kv_rank=rank,
-                                    cuda=device.type == "cuda", stats=self.stats)
+                                    device=device, stats=self.stats)
         except StoreUnavailable as e:
             raise SettingsError(f'gemma4-kv: kv_connector_extra_config["lmcache_server"] '
                                 f"cannot be used: {e}; fix: start the README's `lmcache "

@@ -42,6 +42,19 @@ class Pinned:
     """What the store gives back on release (its own locks)."""
 
 
+@dataclass(frozen=True)
+class StoreCapabilities:
+    """What a kind of store does, for the parts that plan around it without holding one
+    (the scheduler half runs in another process than the stores)."""
+
+    slow_tier: bool
+    """Lookups may need a slower tier (`start_prefetch` / `poll`) before a hit."""
+    ranks_hit_ends: bool
+    """It keeps what it stores by the hit ends of `ChunkWrite.ends` (their class)."""
+    stores_generated: bool
+    """Chunks of generated tokens are worth saving (a hit can end among them)."""
+
+
 @dataclass
 class Prefetch:
     """A request to slower tiers in flight (`ChunkStore.start_prefetch`)."""

@@ -29,7 +29,7 @@ import torch
 from ..layout.groups import AttentionKind, KVLayout
 from ..layout.plan import hit_chunks, window_chunks
 from . import integrity
-from .base import ChunkKey, ChunkStore, ChunkWrite, Pinned, Reservation
+from .base import ChunkKey, ChunkStore, ChunkWrite, Pinned, Reservation, StoreCapabilities
 from .capacity import Capacity, EndSpec
 from .embedded_l2 import L2Reads
 from .lmcache import StorageLayer
@@ -96,6 +96,8 @@ class _Reservation(Reservation):
 
 
 class EmbeddedStore(L2Reads, ChunkStore):
+    CAPABILITIES = StoreCapabilities(slow_tier=True, ranks_hit_ends=True,
+                                     stores_generated=True)
     def __init__(self, layout: KVLayout, fingerprint: str, chunk_size: int,
                  config: StoreConfig = StoreConfig(), kv_rank: int = 0, stats=None):
         self.layout, self.fingerprint, self.chunk_size = layout, fingerprint, chunk_size

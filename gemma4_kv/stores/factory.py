@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..layout.groups import KVLayout
-from .base import ChunkStore
+from .base import ChunkStore, StoreCapabilities
 from .embedded import EmbeddedStore, StoreConfig
 
 
@@ -16,6 +16,17 @@ class ServerConfig:
 
     url: str
     timeout_s: float = 1.0
+    retention_interval: int = 0
+    """Tokens between stored sliding-window chunks (the scheduler's; 0: every chunk)."""
+
+
+def capabilities(config: StoreConfig | ServerConfig) -> StoreCapabilities:
+    """What the store `config` names does (without opening it)."""
+    if isinstance(config, StoreConfig):
+        return EmbeddedStore.CAPABILITIES
+    from .server import ServerStore
+
+    return ServerStore.CAPABILITIES
 
 
 class StoreUnavailable(RuntimeError):
@@ -23,18 +34,22 @@ class StoreUnavailable(RuntimeError):
 
 
 def open_store(config: StoreConfig | ServerConfig, layout: KVLayout, fingerprint: str,
-               chunk_size: int, *, kv_rank: int = 0, cuda: bool = False,
+               chunk_size: int, *, kv_rank: int = 0, device=None,
                stats=None) -> ChunkStore:
-    """The fingerprint names the rank: each rank keeps objects of its own."""
+    """The fingerprint names the rank: each rank keeps objects of its own. `device` is
+    where the rank's KV lives (a server store verifies objects there)."""
+    import torch
+
+    device = torch.device(device or "cpu")
     if isinstance(config, StoreConfig):
         return EmbeddedStore(layout, fingerprint, chunk_size, config, kv_rank=kv_rank,
                              stats=stats)
-    from .server import ServerStore
-    from .server_shm import UnsupportedServer
-    from .server_wire import ServerUnavailable
+    from .server import ServerStore, ServerUnavailable, UnsupportedServer
 
     try:
         return ServerStore(layout, fingerprint, chunk_size, url=config.url,
-                           timeout_s=config.timeout_s, cuda=cuda, stats=stats)
+                           timeout_s=config.timeout_s, cuda=device.type == "cuda",
+                           stats=stats, retention_interval=config.retention_interval,
+                           device=device)
     except (ServerUnavailable, UnsupportedServer) as e:
         raise StoreUnavailable(str(e)) from None

@@ -130,3 +130,62 @@ def verify(kv: torch.Tensor, trailer: torch.Tensor, key: int) -> bool:
         return False
     s = (int(weighted_sums(kv.unsqueeze(0))[0]) + key + (1 << 63)) % (1 << 64) - (1 << 63)
     return s == t[1]
+
+
+class Verification:
+    """`verify` of several objects, started without waiting for it. On a GPU each object
+    is copied to the device by DMA (no SMs; the bytes cross PCIe once, as a load's do)
+    and summed there, on a stream of its own, so a host thread never reads the bytes;
+    elsewhere the objects are verified on the host at once. `done` never waits; `result`
+    waits if needed."""
+
+    _streams: dict[str, torch.cuda.Stream] = {}
+    _scratch: dict[str, torch.Tensor] = {}
+
+    def __init__(self, objects: list[tuple[torch.Tensor, torch.Tensor, int]],
+                 device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self._event = self._ok = None
+        self._result: list[bool] | None = None
+        if self.device.type != "cuda" or not objects:
+            self._result = [verify(kv, trailer, key) for kv, trailer, key in objects]
+            return
+        self._start(objects)
+
+    def _start(self, objects) -> None:
+        dev = str(self.device)
+        with _lock:
+            stream = self._streams.setdefault(dev, torch.cuda.Stream(self.device))
+            need = max(kv.numel() * kv.element_size() for kv, _, _ in objects)
+            scratch = self._scratch.get(dev)
+            if scratch is None or scratch.numel() < need:
+                scratch = self._scratch[dev] = torch.empty(need, dtype=torch.uint8,
+                                                           device=self.device)
+        n = len(objects)
+        with torch.cuda.stream(stream):
+            sums = torch.empty(n, dtype=torch.int64, device=self.device)
+            for i, (kv, _, _) in enumerate(objects):
+                nbytes = kv.numel() * kv.element_size()
+                buf = scratch[:nbytes]
+                buf.copy_(kv.reshape(-1).view(torch.uint8), non_blocking=True)
+                sums[i:i + 1] = weighted_sums(buf.view(1, -1))
+            host = torch.stack([t.reshape(-1) for _, t, _ in objects]).pin_memory()
+            trailers = host.to(self.device, non_blocking=True)
+            meta = torch.tensor([[key, kv.numel() * kv.element_size()]
+                                 for kv, _, key in objects], dtype=torch.int64).pin_memory()
+            meta = meta.to(self.device, non_blocking=True)
+            ok = (trailers[:, 0] == MAGIC) & (trailers[:, 2] == meta[:, 1]) \
+                & (trailers[:, 1] == sums + meta[:, 0])  # int64 sums wrap: mod 2**64
+            self._ok = torch.empty(n, dtype=torch.bool, pin_memory=True)
+            self._ok.copy_(ok, non_blocking=True)
+            self._event = stream.record_event()
+
+    def done(self) -> bool:
+        return self._result is not None or self._event.query()
+
+    def result(self) -> list[bool]:
+        """Per object (in the order given), whether it is intact and under its key."""
+        if self._result is None:
+            self._event.synchronize()
+            self._result = self._ok.tolist()
+        return self._result

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
+from collections import Counter
 
 import torch
 
-from ..layout.groups import KVGroup
-from . import integrity
+from ...layout.groups import KVGroup
+from .. import integrity
 
 SEAL_BYTES = 8 * integrity.SEAL_SHAPE[0]
 
@@ -36,10 +38,14 @@ def cuda_host_register(pool: torch.Tensor, what: str = "the server's L1") -> Non
 
 class SharedL1:
     """The mapped segment of the server process now running (`map` again when another
-    one runs); views of objects in it."""
+    one runs); views of objects in it; and who still points into a dead server's
+    segment (`use`), which is unmapped once nobody does. Thread-safe."""
 
     def __init__(self, url: str, *, prefault: bool = True, cuda_register: bool = False):
         self.url = url
+        self._lock = threading.RLock()
+        self._users: Counter[int] = Counter()
+        """Epoch -> pins and reservations whose views point into that epoch's segment."""
         self._prefault, self._cuda_register = prefault, cuda_register
         self._maps: dict[int, tuple[mmap.mmap, torch.Tensor]] = {}
         """Epoch -> its mapping. A dead server's stays until `unmap` (its views may still
@@ -54,6 +60,28 @@ class SharedL1:
 
     def map(self, name: str, size: int) -> bool:
         """Map segment `name`; whether it is another one than before (a new server)."""
+        with self._lock:
+            another = self._map(name, size)
+        self._unmap_idle()
+        return another
+
+    def use(self, epoch: int, n: int) -> None:
+        """`n` more (or, negative, fewer) views of `epoch`'s segment are in use."""
+        with self._lock:
+            self._users[epoch] += n
+        if n < 0:
+            self._unmap_idle()
+
+    def _unmap_idle(self) -> None:
+        """Unmap dead servers' segments nothing points into any more: a restart must not
+        keep the old L1's pages (MAP_POPULATE: all of them) for the life of the engine."""
+        with self._lock:
+            for epoch in self.old_epochs():
+                if self._users[epoch] <= 0:
+                    self._users.pop(epoch, None)
+                    self.unmap(epoch)
+
+    def _map(self, name: str, size: int) -> bool:
         path = f"/dev/shm/{name.lstrip('/')}"
         try:
             ino = os.stat(path).st_ino
@@ -121,6 +149,7 @@ class SharedL1:
             pass
 
     def close(self) -> None:
-        for epoch in list(self._maps):
-            self.unmap(epoch)
-        self.pool = None
+        with self._lock:
+            for epoch in list(self._maps):
+                self.unmap(epoch)
+            self.pool = None

@@ -32,9 +32,9 @@ import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..layout.groups import KVGroup, KVLayout
-from . import integrity, lmcache
-from .server_shm import SharedL1, UnsupportedServer
+from ...layout.groups import KVGroup, KVLayout
+from .. import integrity, lmcache
+from .shm import SharedL1, UnsupportedServer
 
 logger = logging.getLogger(__name__)
 
@@ -145,24 +145,30 @@ class Space:
 
 
 class ServerConnection:
-    """One client's registrations on a server, and the heartbeat that keeps them."""
+    """One client's registrations on a server, the heartbeat that keeps them, and the
+    calls of `reads.ServerReads` and `writes.ServerWrites` (`call`, `key`, `later`).
+
+    `state` serialises what several threads change together (spaces' open counts, the
+    readers' shared retrieves); `on_new_server` callbacks run when another server
+    process answers (its predecessor's locks and reads went with it)."""
 
     def __init__(self, url: str, layout: KVLayout, namespace: str, chunk_size: int, *,
                  timeout_s: float = 1.0, ping_interval_s: float = 20.0,
                  prefault: bool = True, cuda_register: bool = False):
         self.url, self.layout, self.chunk_size = url, layout, chunk_size
         self.timeout_s = timeout_s
-        self._client = lmcache.server_client(url)
+        self.client = lmcache.server_client(url)
         self._healthy = True
-        self._state = threading.RLock()
-        self._groups = {g.group_id: g for g in layout.groups}
-        self._slots = {gid: object_slots(g, chunk_size) for gid, g in self._groups.items()}
+        self.state = threading.RLock()
+        self.groups = {g.group_id: g for g in layout.groups}
+        self._slots = {gid: object_slots(g, chunk_size) for gid, g in self.groups.items()}
         self.l1 = SharedL1(url, prefault=prefault, cuda_register=cuda_register)
+        self.on_new_server: list = []
         self._space = self._new_space(namespace)
         try:
-            if not self._call(self._client.ping(None), "ping"):
+            if not self.call(self.client.ping(None), "ping"):
                 raise ServerUnavailable(f"{url}: ping refused")
-            self.server_chunk = int(self._call(self._client.get_chunk_size(),
+            self.server_chunk = int(self.call(self.client.get_chunk_size(),
                                                "get_chunk_size"))
             if self.server_chunk * 4 < HASH_BYTES:
                 raise UnsupportedServer(f"server chunk size {self.server_chunk} holds no "
@@ -170,9 +176,9 @@ class ServerConnection:
             self._register(self._space)
             self._probe_wire()
         except Exception:
-            self._client.close()
+            self.client.close()
             raise
-        self._later = Later("gemma4kv-mp-later")
+        self.later = Later("gemma4kv-mp-later")
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, args=(ping_interval_s,),
                                            name="gemma4kv-mp-ping", daemon=True)
@@ -193,7 +199,7 @@ class ServerConnection:
         return self.l1.size
 
     # -- connection -------------------------------------------------------------------
-    def _call(self, future, what: str, *, probing: bool = False):
+    def call(self, future, what: str, *, probing: bool = False):
         """The answer of one RPC within the timeout, or ServerUnavailable. Gives up at
         once when another thread has found the server down (unless `probing`)."""
         deadline = time.monotonic() + self.timeout_s
@@ -209,22 +215,29 @@ class ServerConnection:
                                         f"{self.timeout_s} s")
         return future.result(0)
 
-    def _check(self) -> None:
+    def mark_down(self, reason: str) -> None:
+        """The server failed to answer: down until the heartbeat gets answers again."""
+        if self._healthy:
+            logger.warning("gemma4-kv: %s: %s", self.url, reason)
+        self._healthy = False
+        raise ServerUnavailable(f"{self.url}: {reason}")
+
+    def check(self) -> None:
         if not self._healthy:
             raise ServerUnavailable(f"{self.url} is not answering (waiting for a ping)")
 
     def _new_space(self, namespace: str) -> Space:
-        names = {gid: f"{namespace}.g{gid}" for gid in self._groups}
+        names = {gid: f"{namespace}.g{gid}" for gid in self.groups}
         if any("@" in n or "/" in n for n in names.values()):
             raise ValueError("LMCache model names must not contain '@' or '/'")
         base = int.from_bytes(os.urandom(5), "big") << 8  # ids are global to the server
-        return Space(namespace, names, {gid: base + gid for gid in self._groups})
+        return Space(namespace, names, {gid: base + gid for gid in self.groups})
 
     def _register(self, space: Space, probing: bool = False) -> None:
         """Register every group of `space` (idempotent on the server), map its L1."""
         futures = []
-        for gid, g in self._groups.items():
-            futures.append(self._client.register_kv_cache_engine_driven_context(
+        for gid, g in self.groups.items():
+            futures.append(self.client.register_kv_cache_engine_driven_context(
                 lmcache.server_registration(
                     instance_id=space.ids[gid], model_name=space.names[gid],
                     world_size=1, block_size=g.block_size, num_layers=len(g.layers),
@@ -232,7 +245,7 @@ class ServerConnection:
                     dtype_str=str(g.dtype).removeprefix("torch."), use_mla=False,
                     num_physical_slots=self._slots[gid])))
         pools = {(r.shm_name, r.pool_size) for r in
-                 (self._call(f, "register", probing=probing) for f in futures)}
+                 (self.call(f, "register", probing=probing) for f in futures)}
         (name, size), = pools
         if not name or size <= 0:
             raise UnsupportedServer(
@@ -240,7 +253,7 @@ class ServerConnection:
                 "engine_driven --shm-name NAME --no-l1-use-lazy and a /dev/shm larger than L1")
         self._mapped(name, size)
         for iid in space.ids.values():  # ping-proven: reaped after 120 s of silence, not 3600
-            self._call(self._client.ping(iid), "ping", probing=probing)
+            self.call(self.client.ping(iid), "ping", probing=probing)
 
     def _probe_wire(self, probing: bool = False) -> None:
         """A keyed call that does nothing (an empty range): a server of another wire
@@ -249,12 +262,12 @@ class ServerConnection:
         space = self._space
         g = next(iter(space.names))
         try:
-            self._call(self._client.free_lookup_locks(
-                self._key(space, g, self._tokens([bytes(HASH_BYTES)]), 0, 0, self._rid(),
+            self.call(self.client.free_lookup_locks(
+                self.key(space, g, self.tokens([bytes(HASH_BYTES)]), 0, 0, self.new_rid(),
                           None), 1), "free_lookup_locks", probing=probing)
         except ServerUnavailable:
             for iid in space.ids.values():  # nothing was reserved: safe to unregister
-                self._client.unregister_kv_cache_engine_driven_context(iid)
+                self.client.unregister_kv_cache_engine_driven_context(iid)
             raise UnsupportedServer(
                 f"{self.url} does not decode LMCache 0.5.6 keys (IPCCacheServerKey.token_ids):"
                 " client and server LMCache versions must match") from None
@@ -270,7 +283,7 @@ class ServerConnection:
             ids = list(space.ids.values()) if was else list(space.ids.values())[:1]
             try:
                 for iid in ids:
-                    self._call(self._client.ping(iid), "ping", probing=True)
+                    self.call(self.client.ping(iid), "ping", probing=True)
                 if not was:
                     self._register(space, probing=True)
                     self._probe_wire(probing=True)  # it may have come back as another version
@@ -288,7 +301,7 @@ class ServerConnection:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every lock and session handed back so far has been answered (or
         given up): what the server reports after this includes them."""
-        return self._later.flush(timeout)
+        return self.later.flush(timeout)
 
     def rename(self, namespace: str) -> None:
         """Use new registrations under `namespace` from now on (`ChunkStore.reset`); the
@@ -296,31 +309,31 @@ class ServerConnection:
         old, new = self._space, self._new_space(namespace)
         self._space = new
         try:
-            self._check()
+            self.check()
             self._register(new)
         except Exception as e:
             self._healthy = False  # the heartbeat registers `new` once the server answers
             raise ServerUnavailable(f"{self.url}: cannot register {namespace}: {e}") from e
-        with self._state:
+        with self.state:
             old.retired = True
-        self._settle(old)
+        self.settle(old)
 
-    def _settle(self, space: Space) -> None:
+    def settle(self, space: Space) -> None:
         """Unregister a retired space once no read or write is open in it (open writes:
         unregistering would commit them unwritten; they expire, the reaper takes the
         rest; open reads: the server would drop their locks under a load)."""
-        with self._state:
+        with self.state:
             if not space.retired or space.open_writes or space.open_reads:
                 return
             space.retired = False  # once
         if space is self._space or not self._healthy:
             return
-        for f in [self._client.unregister_kv_cache_engine_driven_context(i)
+        for f in [self.client.unregister_kv_cache_engine_driven_context(i)
                   for i in space.ids.values()]:
-            self._call(f, "unregister")
+            self.call(f, "unregister")
 
     # -- keys -------------------------------------------------------------------------
-    def _tokens(self, hashes: Sequence[bytes]) -> tuple[int, ...]:
+    def tokens(self, hashes: Sequence[bytes]) -> tuple[int, ...]:
         pad = (0,) * (self.server_chunk - HASH_BYTES // 4)
         out: list[int] = []
         for h in hashes:
@@ -330,7 +343,7 @@ class ServerConnection:
             out += pad
         return tuple(out)
 
-    def _key(self, space: Space, gid: int, tokens: tuple[int, ...], a: int, b: int,
+    def key(self, space: Space, gid: int, tokens: tuple[int, ...], a: int, b: int,
              request_id: str, worker: int | None = 0):
         s = self.server_chunk
         return lmcache.server_key(model_name=space.names[gid], world_size=1, worker_id=worker,
@@ -338,26 +351,52 @@ class ServerConnection:
                                  request_id=request_id, num_kv_readers=1)
 
     @staticmethod
-    def _rid() -> str:
+    def new_rid() -> str:
         return f"g4kv-{uuid.uuid4().hex}"
 
     def _mapped(self, name: str, size: int) -> None:
         """The server's L1 segment is `name` (a restarted server has a new one)."""
-        self.l1.map(name, size)
+        with self.state:
+            if self.l1.map(name, size):
+                for callback in self.on_new_server:
+                    callback()
 
-    def _disconnect(self) -> None:
+    def views(self, slots: list[dict], gid: int) -> list | None:
+        """(KV, trailer) views of reserved or retrieved slots of group `gid`, or None if
+        the server's objects are not what this client registered."""
+        views = self.l1.views(self.groups[gid], self.chunk_size, slots, self._slots[gid])
+        if views is None:
+            logger.warning("gemma4-kv: server objects of group %d are not what this client "
+                           "registered: treated as a miss", gid)
+        return views
+
+    def finish(self, futures: Iterable, rids: Iterable[str]) -> None:
+        """Wait for `futures`, then end the sessions. Not both at once: the server runs
+        them on several threads, and a call that lands after its session ended recreates
+        an empty one (a free then releases nothing)."""
+        for f in list(futures):
+            self.call(f, "free/commit")
+        for f in [self.client.end_session(r) for r in rids]:
+            self.call(f, "end_session")
+
+    def stale(self, thing) -> bool:
+        """Made on a server process that is gone (its state went with it)."""
+        return thing.epoch != self.epoch
+
+    def close(self) -> None:
         """Stop pinging and unregister, unless reservations are still open: unregistering
         would commit them unwritten (0.5.6 `_release_entry`); they expire instead."""
         self._stop.set()
         self._heartbeat.join(timeout=self.timeout_s + 1)
         # Hand back what is still owed first: unregistering drops the locks it holds.
-        self._later.close(timeout=4 * self.timeout_s)
+        self.later.close(timeout=4 * self.timeout_s)
         space = self._space
         if self._healthy and not space.open_writes:
             try:
-                for f in [self._client.unregister_kv_cache_engine_driven_context(i)
+                for f in [self.client.unregister_kv_cache_engine_driven_context(i)
                           for i in space.ids.values()]:
-                    self._call(f, "unregister")
+                    self.call(f, "unregister")
             except ServerUnavailable:
                 pass
-        self._client.close()
+        self.client.close()
+        self.l1.close()

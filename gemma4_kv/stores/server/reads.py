@@ -1,43 +1,42 @@
-"""Chunk objects per KV cache group on a running `lmcache server` (LMCache 0.5.6,
-engine-driven mode, shared-memory L1): lookups, pins and reads over the connection
-(`server_wire`), writes (`server_writes`), the bytes copied in and out of the mapped L1
-(`server_shm`).
+"""Reads from a running `lmcache server`: lookups, the read locks a hit keeps, and views
+of the held objects in the server's shared-memory L1.
 
-A lookup locks, per group, the leading run of chunks the server holds (0.5.6 applies
-the full-attention rule to every registration); `keep` holds the locks a hit needs and
-frees the rest, `read` maps the held objects.
+A lookup locks, per group it asks, the leading run of chunks of one chain the server
+holds (0.5.6 applies the full-attention rule to every registration); `keep` holds the
+locks a hit needs and frees the rest, `read` maps the held objects. Everything that
+hands locks and sessions back goes through the connection's `later`, so neither the
+lookup thread nor the model thread waits for the server's answers.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from .server_wire import ServerConnection, ServerUnavailable, Space, runs
-from .server_writes import ServerWrites
+from .connection import ServerConnection, ServerUnavailable, Space, runs
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Lookup:
-    """A lookup in flight: per group, a server session whose leading run gets locked."""
+    """A lookup in flight: per group asked, a server session whose leading run of
+    `hashes` gets locked."""
 
     space: Space
+    hashes: tuple[bytes, ...]
     tokens: tuple[int, ...]
-    n: int
     rids: dict[int, str]
     acks: dict[int, object]
     epoch: int
     polls: dict[int, object] = field(default_factory=dict)
     found: dict[int, int] = field(default_factory=dict)
     """Group id -> leading chunks held (and read-locked), once answered."""
-    started: float = field(default_factory=time.monotonic)
     asked: float = field(default_factory=time.monotonic)
     """When the calls now unanswered were sent."""
     open: bool = True
@@ -78,57 +77,37 @@ class Pin:
     """Frees `keep` sent in these sessions, answered before `release` ends them."""
 
 
-class MPServerTier(ServerWrites, ServerConnection):
-    """KV_2LTD objects + trailers per (chunk, group) in a running LMCache MP server."""
+class ServerReads:
+    """Lookups, pins and reads of one client on its connection."""
 
-    def __init__(self, *args, **kwargs):
-        self._prepared: dict[tuple, _Prepared] = {}
-        self._users: Counter[int] = Counter()
-        """Epoch -> pins and reservations whose views point into that epoch's L1."""
-        super().__init__(*args, **kwargs)
-
-    def _mapped(self, name: str, size: int) -> None:
-        with self._state:
-            if self.l1.map(name, size):  # another server process: its reads went too
-                self._prepared.clear()
-        self._unmap_idle()
-
-    def _use(self, epoch: int, n: int) -> None:
-        with self._state:
-            self._users[epoch] += n
-        if n < 0:
-            self._unmap_idle()
-
-    def _unmap_idle(self) -> None:
-        """Unmap dead servers' segments nothing points into any more: a restart must not
-        keep the old L1's pages (MAP_POPULATE: all of them) for the life of the engine."""
-        with self._state:
-            for epoch in self.l1.old_epochs():
-                if self._users[epoch] <= 0:
-                    self._users.pop(epoch, None)
-                    self.l1.unmap(epoch)
+    def __init__(self, conn: ServerConnection):
+        self.conn = conn
+        self._prepared: dict[tuple, _Prepared] = {}  # under conn.state
+        conn.on_new_server.append(self._prepared.clear)  # its reads went with it
 
     # -- lookup -----------------------------------------------------------------------
-    def start_lookup(self, hashes: Sequence[bytes]) -> Lookup:
-        """Ask every group for the leading run of `hashes` it holds, without waiting
-        (the server may bring chunks up from its L2 tiers first)."""
-        self._check()
-        space, tokens = self._space, self._tokens(hashes)
-        rids = {g: self._rid() for g in space.names}
-        with self._state:
+    def start_lookup(self, hashes: Sequence[bytes], groups: Iterable[int] | None = None
+                     ) -> Lookup:
+        """Ask `groups` (default: all) for the leading run of `hashes` they hold, without
+        waiting (the server may bring chunks up from its L2 tiers first)."""
+        conn = self.conn
+        conn.check()
+        space, tokens = conn.space, conn.tokens(hashes)
+        rids = {g: conn.new_rid() for g in (space.names if groups is None else groups)}
+        with conn.state:
             space.open_reads += 1
         try:
-            acks = {g: self._client.lookup(self._key(space, g, tokens, 0, len(hashes),
-                                                     rids[g], None), 1) for g in rids}
+            acks = {g: conn.client.lookup(conn.key(space, g, tokens, 0, len(hashes),
+                                                   rids[g], None), 1) for g in rids}
         except BaseException:
             self._close_read(space)
             raise
-        return Lookup(space, tokens, len(hashes), rids, acks, self.epoch)
+        return Lookup(space, tuple(hashes), tokens, rids, acks, conn.epoch)
 
     def _close_read(self, space) -> None:
-        with self._state:
+        with self.conn.state:
             space.open_reads -= 1
-        self._settle(space)
+        self.conn.settle(space)
 
     def forget(self, lk: Lookup) -> None:
         """A lookup given up unfinished (no answer, or the server down): its locks, if
@@ -141,7 +120,8 @@ class MPServerTier(ServerWrites, ServerConnection):
         """Whether every group has answered (`lk.found`); never waits. A call unanswered
         for `timeout_s` marks the server down (ServerUnavailable); a server still reading
         its L2 answers "not yet" in time and is left to finish."""
-        self._check()
+        conn = self.conn
+        conn.check()
         sent = False
         for g, rid in lk.rids.items():
             if g in lk.found:
@@ -154,7 +134,7 @@ class MPServerTier(ServerWrites, ServerConnection):
                 del lk.acks[g]
             poll = lk.polls.get(g)
             if poll is None:
-                lk.polls[g] = self._client.query_prefetch_status(rid)
+                lk.polls[g] = conn.client.query_prefetch_status(rid)
                 sent = True
             elif poll.query():
                 r = poll.result(0)
@@ -166,50 +146,37 @@ class MPServerTier(ServerWrites, ServerConnection):
         now = time.monotonic()
         if sent:
             lk.asked = now
-        elif now - lk.asked > self.timeout_s and not any(
+        elif now - lk.asked > conn.timeout_s and not any(
                 f.query() for f in (*lk.acks.values(), *lk.polls.values())):
-            if self._healthy:
-                logger.warning("gemma4-kv: %s gave no answer to a lookup within %g s",
-                               self.url, self.timeout_s)
-            self._healthy = False
-            raise ServerUnavailable(f"{self.url}: no answer to a lookup within "
-                                    f"{self.timeout_s} s")
+            conn.mark_down(f"no answer to a lookup within {conn.timeout_s} s")
         return False
 
     def wait_lookup(self, lk: Lookup) -> None:
         """Wait for `lk` up to the timeout (ServerUnavailable after it)."""
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.conn.timeout_s
         while not self.poll_lookup(lk):
-            self._check()
+            self.conn.check()
             if time.monotonic() > deadline:
-                raise ServerUnavailable(f"{self.url}: lookup not done within "
-                                        f"{self.timeout_s} s")
+                raise ServerUnavailable(f"{self.conn.url}: lookup not done within "
+                                        f"{self.conn.timeout_s} s")
             time.sleep(0.0005)
 
     def _free(self, space: Space, tokens, gid: int, rid: str, indices: Iterable[int]) -> list:
-        return [self._client.free_lookup_locks(self._key(space, gid, tokens, a, b, rid, None), 1)
+        conn = self.conn
+        return [conn.client.free_lookup_locks(conn.key(space, gid, tokens, a, b, rid, None), 1)
                 for a, b in runs(indices)]
 
-    def _finish(self, futures: Iterable, rids: Iterable[str]) -> None:
-        """Wait for `futures`, then end the sessions. Not both at once: the server runs
-        them on several threads, and a call that lands after its session ended recreates
-        an empty one (a free then releases nothing)."""
-        for f in list(futures):
-            self._call(f, "free/commit")
-        for f in [self._client.end_session(r) for r in rids]:
-            self._call(f, "end_session")
-
-    def keep(self, lk: Lookup, chunks: Sequence[tuple[int, int]] | None) -> Pin | None:
+    def keep(self, lk: Lookup, chunks: Sequence[tuple[int, int]]) -> Pin | None:
         """Hold the locks of these (chunk index, group id) objects of a finished lookup
         and free all others; None (nothing held) if any of them was not found. The frees
-        are sent, not waited for (`Later`): nothing here needs their answers."""
+        are sent, not waited for (`later`): nothing here needs their answers."""
         want: dict[int, set[int]] = defaultdict(set)
-        for c, g in chunks or ():
+        for c, g in chunks:
             want[g].add(c)
         if not lk.open:
             raise ValueError("keep() of a lookup already kept or forgotten")
         lk.open = False
-        if lk.epoch != self.epoch:  # its server is gone, and its locks with it
+        if self.conn.stale(lk):  # its server is gone, and its locks with it
             self._close_read(lk.space)
             return None
         ok = bool(chunks) and all(max(cs) < lk.found.get(g, 0) for g, cs in want.items())
@@ -222,29 +189,33 @@ class MPServerTier(ServerWrites, ServerConnection):
                 (freeing if want[g] else ended).extend(frees)
             sent = True
         finally:
-            self._later.submit(self._kept, lk.space, ended,
-                               [rid for g, rid in lk.rids.items() if not want[g]],
-                               not (ok and sent))
+            self.conn.later.submit(self._kept, lk.space, ended,
+                                   [rid for g, rid in lk.rids.items() if not want[g]],
+                                   not (ok and sent))
         if not ok:
             return None
-        self._use(lk.epoch, 1)
+        self.conn.l1.use(lk.epoch, 1)
         return Pin(lk.space, lk.tokens, tuple(chunks), {g: lk.rids[g] for g in want},
                    {g: runs(cs) for g, cs in want.items()}, lk.epoch, freeing=freeing)
+
+    def drop(self, lk: Lookup) -> None:
+        """Free every lock of a finished lookup (nothing kept)."""
+        self.keep(lk, ())
 
     def _kept(self, space: Space, frees: list, rids: list[str], closing: bool) -> None:
         """`keep`'s answers: the sessions of groups the pin does not use end once their
         frees are answered; a lookup that pinned nothing stops counting as a reader."""
         try:
-            self._finish(frees, rids)
+            self.conn.finish(frees, rids)
         finally:
             if closing:
                 self._close_read(space)
 
     def lock(self, hashes: Sequence[bytes], chunks: Sequence[tuple[int, int]]) -> Pin | None:
-        """Pin these (chunk index, group id) objects of the prefix `hashes`; all or none."""
+        """Pin these (chunk index, group id) objects of the chain `hashes`; all or none."""
         if not chunks:
             return None
-        lk = self.start_lookup(hashes[:max(c for c, _ in chunks) + 1])
+        lk = self.start_lookup(hashes[:max(c for c, _ in chunks) + 1], {g for _, g in chunks})
         try:
             self.wait_lookup(lk)
         except BaseException:
@@ -253,27 +224,18 @@ class MPServerTier(ServerWrites, ServerConnection):
         return self.keep(lk, chunks)
 
     # -- read -------------------------------------------------------------------------
-    def _objects(self, slots: list[dict], gid: int) -> list | None:
-        """(KV, trailer) views of reserved or retrieved slots, or None if the server's
-        objects are not what this client registered."""
-        g = self._groups[gid]
-        views = self.l1.views(g, self.chunk_size, slots, self._slots[gid])
-        if views is None:
-            logger.warning("gemma4-kv: server objects of group %d are not what this client "
-                           "registered: treated as a miss", gid)
-        return views
-
     def read(self, pin: Pin) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """(KV, trailer) views of the pinned objects in the server's L1, in `pin.chunks`
         order (valid until `release`), or None if the server no longer has them all."""
-        self._check()
-        runs = [(g, a, b) for g, rs in pin.runs.items() for a, b in rs]
-        if pin.epoch != self.epoch or any(r in pin.spent for r in runs):
+        conn = self.conn
+        conn.check()
+        runs_ = [(g, a, b) for g, rs in pin.runs.items() for a, b in rs]
+        if conn.stale(pin) or any(r in pin.spent for r in runs_):
             return None
         space = pin.space
-        with self._state:  # one reader at a time: pending reads are shared (`_Prepared`)
+        with conn.state:  # one reader at a time: pending reads are shared (`_Prepared`)
             todo = []
-            for g, a, b in runs:
+            for g, a, b in runs_:
                 if (g, a, b) in pin.read_runs:
                     continue
                 shared = self._prepared.get((space.ids[g], pin.tokens, a, b))
@@ -282,21 +244,21 @@ class MPServerTier(ServerWrites, ServerConnection):
                     pin.read_runs.add((g, a, b))
                 else:
                     todo.append((g, a, b))
-            keys = {r: self._key(space, r[0], pin.tokens, r[1], r[2], pin.sessions[r[0]])
+            keys = {r: conn.key(space, r[0], pin.tokens, r[1], r[2], pin.sessions[r[0]])
                     for r in todo}
-            futures = {r: self._client.prepare_retrieve(keys[r], space.ids[r[0]])
+            futures = {r: conn.client.prepare_retrieve(keys[r], space.ids[r[0]])
                        for r in todo}
             ok = True
             for (g, a, b), f in futures.items():
-                reply = self._call(f, "prepare_retrieve")
-                objects = self._objects(reply.context.get("slots", []), g) \
+                reply = conn.call(f, "prepare_retrieve")
+                objects = conn.views(reply.context.get("slots", []), g) \
                     if reply.success else None
                 if objects is None or len(objects) != b - a:
                     # Either way the server let go of this run's locks: a failed prepare
                     # releases what it found (0.5.6), a bad shape is handed back here.
                     if reply.success:
-                        self._call(self._client.commit_retrieve(keys[(g, a, b)],
-                                                                space.ids[g]), "commit_retrieve")
+                        conn.call(conn.client.commit_retrieve(keys[(g, a, b)], space.ids[g]),
+                                  "commit_retrieve")
                     pin.spent.add((g, a, b))
                     ok = False
                     continue
@@ -305,40 +267,41 @@ class MPServerTier(ServerWrites, ServerConnection):
             if not ok:
                 return None
             got = {}
-            for g, a, b in runs:
+            for g, a, b in runs_:
                 objects = self._prepared[(space.ids[g], pin.tokens, a, b)].objects
                 got.update({(a + i, g): o for i, o in enumerate(objects)})
         return [got[c] for c in pin.chunks]
 
     def release(self, pin: Pin) -> None:
         """Give the pinned objects back (a run several pins share is handed back on the
-        server when its last user lets go) on `Later`'s thread: the caller (the model
+        server when its last user lets go) on `later`'s thread: the caller (the model
         thread, after a load) neither waits for the server nor for the lock a read in
         flight on the lookup thread holds."""
         if pin.open:
             pin.open = False
-            self._later.submit(self._released, pin)
+            self.conn.later.submit(self._released, pin)
 
     def _released(self, pin: Pin) -> None:
         try:
             futures, rids = self._release(pin)
-            if rids and self._healthy:
-                self._finish(futures, rids)
+            if rids and self.conn.healthy:
+                self.conn.finish(futures, rids)
         finally:
             self._close_read(pin.space)
-            self._use(pin.epoch, -1)
+            self.conn.l1.use(pin.epoch, -1)
 
     def _release(self, pin: Pin) -> tuple[list, list[str]]:
         """Send what gives the pin's locks back: (the calls to wait for, the sessions to
         end after them)."""
+        conn = self.conn
         futures, space = list(pin.freeing), pin.space
-        with self._state:
-            if self._stale(pin):
+        with conn.state:
+            if conn.stale(pin):
                 pin.read_runs.clear()
                 return [], []
-            for g, runs in pin.runs.items():
+            for g, runs_ in pin.runs.items():
                 rid = pin.sessions[g]
-                for a, b in runs:
+                for a, b in runs_:
                     if (g, a, b) in pin.spent:
                         continue
                     if (g, a, b) in pin.read_runs:
@@ -347,8 +310,8 @@ class MPServerTier(ServerWrites, ServerConnection):
                         shared.users -= 1
                         if not shared.users:  # the server's pending read frees one lock set
                             del self._prepared[ident]
-                            futures.append(self._client.commit_retrieve(
-                                self._key(space, g, pin.tokens, a, b, rid), space.ids[g]))
+                            futures.append(conn.client.commit_retrieve(
+                                conn.key(space, g, pin.tokens, a, b, rid), space.ids[g]))
                             continue
                     # Not read, or read through another pin's retrieve: this pin's own
                     # lookup locks go back as they came.
@@ -357,13 +320,6 @@ class MPServerTier(ServerWrites, ServerConnection):
             pin.spent.update((g, a, b) for g, rs in pin.runs.items() for a, b in rs)
         return futures, list(pin.sessions.values())
 
-    def _stale(self, thing) -> bool:
-        """Made on a server process that is gone (its state went with it)."""
-        return thing.epoch != self.epoch
-
-    # -- misc -------------------------------------------------------------------------
     def close(self) -> None:
-        self._disconnect()
-        with self._state:
+        with self.conn.state:
             self._prepared.clear()
-            self.l1.close()
