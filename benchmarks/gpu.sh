@@ -21,6 +21,8 @@
 #            on a second server (bench_shared_gpu.py)
 #   peers    the same rows for vLLM's OffloadingConnector with an fs tier
 #            (TieringOffloadingSpec) and for gemma4-kv with a Valkey L2 tier
+#   valkey   the road to Valkey (bench_valkey.py --quick): TCP vs unix socket, value sizes,
+#            clients, io-threads, glide's compression, LMCache's valkey vs resp adapter
 #   kernels  the mover benchmark
 # Everything lands in $OUT/results.tar.gz (one folder per part); a summary is printed last.
 cd "$(dirname "$0")/.."
@@ -98,6 +100,11 @@ part_peers() {
   timeout -k 20 "${1:-400}" python3 benchmarks/bench_shared_gpu.py --out $R/peers \
     --systems offloading-fs,valkey --timeout 180 > $R/peers.log 2>&1
   sed -n '/^system /,$p' $R/peers.log || tail -30 $R/peers.log
+}
+part_valkey() {
+  timeout -k 10 "${1:-120}" python3 benchmarks/bench_valkey.py --quick \
+    --out $R/valkey_h200.json > $R/valkey.log 2>&1
+  sed -n '/^wire (glide/,$p' $R/valkey.log || tail -20 $R/valkey.log
 }
 part_kernels() {
   timeout "${1:-300}" python3 benchmarks/bench_movers.py --out $R/movers.json \

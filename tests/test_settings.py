@@ -223,6 +223,19 @@ def test_resp_adapter_is_refused_with_the_reason_and_valkey_as_the_fix():
     assert '"startup_nodes": "HOST:PORT"' in adapter_error({"type": "resp"})
 
 
+@pytest.mark.parametrize("serde", ["fp8", "turboquant"])
+def test_serde_that_reads_one_tensor_is_refused(serde):
+    """LMCache 0.5.6's fp8 serializer takes the object as one tensor (`MemoryObj.tensor`)
+    and raises on an object of two (ours: KV and trailer), so no store reaches the
+    tier: seen with fp8 against a real Valkey server (benchmarks/bench_valkey.py's
+    adapter point never saw its keys arrive); turboquant's serializer does the same."""
+    msg = adapter_error({"type": "valkey", "startup_nodes": "h:1",
+                         "serde": {"type": serde, "max_workers": 2}}, 1)
+    assert f'(type "valkey") field "serde" (type "{serde}") cannot be used' in msg, msg
+    assert "checksum trailer" in msg and "nothing is ever stored" in msg
+    assert 'fix: remove "serde"' in msg
+
+
 def test_l2_adapter_bad_field_is_lmcache_parsers_error():
     msg = adapter_error({"type": "valkey", "startup_nodes": "redis.local:x",
                          "password": "hunter2"})

@@ -191,6 +191,9 @@ _EXAMPLE = '[{"type": "valkey", "startup_nodes": "redis.local:6379", "request_ti
 _RESP_REFUSED = (
     "LMCache 0.5.6's resp adapter never reconnects after a server restart and keeps only "
     "one group of each chunk for models whose groups differ in object size")
+_ONE_TENSOR_SERDES = ("fp8", "turboquant")
+"""LMCache 0.5.6 serdes whose serializer reads an object as one tensor: on our objects
+(KV and checksum trailer) it raises, so every store into that tier fails."""
 _SECRET = re.compile(r"pass|secret|token|credential|auth", re.I)
 _GENERIC_BOOLS = ("shared", "persist_enabled")  # read with bool() by LMCache: "false" is True
 
@@ -265,6 +268,14 @@ def _adapter(spec, i: int) -> dict:
     if type_name == "resp":
         raise Bad(f'(type "resp") is not supported: {_RESP_REFUSED}', _valkey_for(spec),
                    sub=sub, shown=shown)
+    serde = spec.get("serde")
+    serde_type = serde.get("type") if isinstance(serde, dict) else None
+    if serde_type in _ONE_TENSOR_SERDES:
+        raise Bad(f'(type "{type_name}") field "serde" (type "{serde_type}") cannot be used: '
+                   f"LMCache 0.5.6's {serde_type} serde reads an object as one tensor, and "
+                   "gemma4-kv's objects carry their checksum trailer as a second one: every "
+                   "store into this tier fails, so nothing is ever stored (and a lossy copy "
+                   "could not pass the checksum)", 'remove "serde"', sub=sub, shown=shown)
     where = _non_finite(spec)
     if where is not None:
         raise Bad(f'(type "{type_name}") holds a NaN or infinity at {where}',

@@ -67,7 +67,8 @@ class ConnectorSettings:
         (), "more LMCache tiers, a list of `lmcache server --l2-adapter` JSON objects: "
         "`valkey` (a Redis or Valkey server shared by engines; `resp` is refused), `fs_native` "
         "on a shared mount with `\"shared\": true`, `p2p`, ...; each checked by LMCache's "
-        "parser, network tiers by a connect at start-up",
+        "parser, network tiers by a connect at start-up; the `fp8` and `turboquant` `serde` "
+        "are refused (they store nothing of ours)",
         adapters, shown="`[]`")
     num_programs: int = _key(
         32, "SM budget (programs, 1-1024) of the kernel that loads straight from pinned "
