@@ -93,12 +93,13 @@ part_shared() {
 }
 part_mpserver() {
   timeout -k 20 "${1:-560}" python3 benchmarks/bench_shared_gpu.py --out $R/mpserver \
-    --systems server,embedded,lmcache-mp --timeout 200 > $R/mpserver.log 2>&1
+    --systems "${MPSERVER_SYSTEMS:-server,embedded,lmcache-mp}" --timeout 200 \
+    > $R/mpserver.log 2>&1
   sed -n '/^system /,$p' $R/mpserver.log || tail -30 $R/mpserver.log
 }
 part_peers() {
   timeout -k 20 "${1:-400}" python3 benchmarks/bench_shared_gpu.py --out $R/peers \
-    --systems offloading-fs,valkey --timeout 180 > $R/peers.log 2>&1
+    --systems "${PEERS_SYSTEMS:-offloading-fs,valkey}" --timeout 180 > $R/peers.log 2>&1
   sed -n '/^system /,$p' $R/peers.log || tail -30 $R/peers.log
 }
 part_valkey() {

@@ -124,6 +124,8 @@ SAME = {
     "max_num_seqs (scheduling)": dict(args={"max_num_seqs": 8}),
     "VLLM_DP_RANK=1 (placement)": dict(env={"VLLM_DP_RANK": "1"}),
     "VLLM_CPU_OMP_THREADS_BIND=1 (which cores)": dict(env={"VLLM_CPU_OMP_THREADS_BIND": "1"}),
+    "VLLM_ALLOW_INSECURE_SERIALIZATION=1 (how RPCs are encoded)":
+        dict(env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}),
 }
 
 

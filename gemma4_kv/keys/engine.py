@@ -167,6 +167,23 @@ _PLACEMENT_ENV = frozenset({
     "VLLM_MOONCAKE_BOOTSTRAP_PORT", "MOONCAKE_REQUESTER_LOCAL_HOSTNAME",
     "MOONCAKE_PREFERRED_SEGMENT", "VLLM_RAY_BUNDLE_INDICES", "VLLM_RAY_DP_PLACEMENT_NODE_IPS",
     "VLLM_PROCESS_NAME_PREFIX", "VLLM_USAGE_SOURCE", "VLLM_CPU_OMP_THREADS_BIND"})
+# Compile factors that only say how an engine talks, logs, times out or bounds requests:
+# a replica set differently computes the same KV (one that set insecure serialization
+# for a collective_rpc missed every hit of its twin). Anything not plainly so stays in.
+_NO_KV_EFFECT_ENV = frozenset({
+    "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_CONFIGURE_LOGGING", "VLLM_DISABLE_LOG_LOGO",
+    "VLLM_LOG_BATCHSIZE_INTERVAL", "VLLM_LOG_MODEL_INSPECTION", "VLLM_ENGINE_READY_TIMEOUT_S",
+    "VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT", "VLLM_REGEX_COMPILATION_TIMEOUT_S",
+    "VLLM_TOOL_PARSE_REGEX_TIMEOUT_SECONDS", "VLLM_TOOL_JSON_ERROR_AUTOMATIC_RETRY",
+    "VLLM_ENFORCE_STRICT_TOOL_CALLING", "VLLM_ENABLE_RESPONSES_API_STORE",
+    "VLLM_ENABLE_COHERE_API", "VLLM_MAX_COMPLETION_PROMPTS", "VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB",
+    "VLLM_MAX_STOP_STRINGS", "VLLM_MAX_BAD_WORDS_TOTAL_TOKENS", "VLLM_MAX_NUM_BAD_WORDS",
+    "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "VLLM_GC_DEBUG", "VLLM_DEBUG_MFU_METRICS",
+    "VLLM_CUSTOM_SCOPES_FOR_PROFILING", "VLLM_NVTX_SCOPES_FOR_PROFILING", "VERBOSE",
+    "VLLM_SYSTEM_START_DATE", "VLLM_MQ_MAX_CHUNK_BYTES_MB", "VLLM_MSGPACK_ZERO_COPY_THRESHOLD",
+    "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "VLLM_P2P_HANDSHAKE_TIMEOUT_S",
+    "VLLM_P2P_IDLE_TIMEOUT_S", "VLLM_MOONCAKE_CONNECTOR_TIMEOUT",
+    "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"})
 # Draft-model settings: a draft that owns KV (EAGLE) stores its layers' KV in the groups.
 _SPEC_FIELDS = ("method", "model", "revision", "code_revision", "quantization",
                 "kv_cache_dtype", "attention_backend")
@@ -190,7 +207,7 @@ def vllm_environment() -> dict:
     import vllm.envs
 
     return {k: _stable(v) for k, v in vllm.envs.compile_factors().items()
-            if k not in _PLACEMENT_ENV}
+            if k not in _PLACEMENT_ENV and k not in _NO_KV_EFFECT_ENV}
 
 
 def _processor_config(model_config, load_config) -> dict | None:
