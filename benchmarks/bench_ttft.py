@@ -128,7 +128,11 @@ def main(argv=None):
     llm = LLM(**kwargs)
     startup = time.perf_counter() - t
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-    rng = random.Random(0)
+    # All prompts first, from their own generator: engine B (`--from-tier`) never settles,
+    # and its prompts must be engine A's.
+    draw = random.Random(0)
+    prompts = {n: [draw.randrange(3, cfg.vocab_size) for _ in range(n)] for n in lengths}
+    fillers = random.Random(1)
 
     def ttft(tokens):
         t = time.perf_counter()
@@ -137,13 +141,13 @@ def main(argv=None):
 
     def settle():
         """Let stores land (vLLM's connector submits them in the next step)."""
-        llm.generate([{"prompt_token_ids": [rng.randrange(3, 1000)] * 8}], sp, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": [fillers.randrange(3, 1000)] * 8}], sp, use_tqdm=False)
         time.sleep(1.0)
 
     ttft([5] * 300)  # warm-up
     rows = []
     for n in lengths:
-        tokens = [rng.randrange(3, cfg.vocab_size) for _ in range(n)]
+        tokens = prompts[n]
         if args.from_tier:
             cold, c0, o0 = float("nan"), None, None
         else:
