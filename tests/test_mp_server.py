@@ -183,6 +183,81 @@ def test_a_hit_holds_only_what_it_loads(server):
         store.close()
 
 
+def test_a_lookup_runs_its_phases_between_the_schedulers_asks(server):
+    """The server's lookup takes several phases (ask, status, hold, read, verify). The
+    lookup thread runs them back to back between messages: the scheduler's second ask
+    finds the hit pinned. Before, each phase waited for an ask (a step) of its own."""
+    from gemma4_kv.lookup import messages
+    from gemma4_kv.lookup.channel import LookupClient, LookupServer
+    from gemma4_kv.lookup.service import LookupService
+    from gemma4_kv.lookup.sockets import socket_address
+
+    store = open_store(server.url)
+    service = LookupService(store, LAYOUT, CHUNK, timeout_s=30.0)
+    address = socket_address(f"phases{uuid.uuid4().hex[:6]}", os.getpid(), 0)
+    lookup_server = LookupServer(address, service.handle, service.advance)
+    client = LookupClient([address])
+    try:
+        put(store, 31, 4)
+        hashes = chunk_hashes(tokens_of(31, 4), CHUNK)
+        ask = messages.Lookup("r", hashes, 0, 4 * CHUNK)
+        assert client.ask_all(ask) == [messages.LookupReply(pending=True)]
+        assert _poll_until(lambda: not store.in_flight(), 10), \
+            "the lookup advanced only when asked"
+        (reply,) = client.ask_all(ask)
+        assert reply.pinned == 4 * CHUNK  # the whole prompt, by hand
+        assert client.ask_all(messages.Release("r")) == [messages.Done(True)]
+        assert store.flush(10)
+        assert server.locks() == (0, 0, 0)
+    finally:
+        client.close()
+        lookup_server.close()
+        service.close()
+        store.close()
+
+
+def test_a_hit_that_would_cost_more_than_recomputing_is_not_fetched(server):
+    """The server's hit is fetched whole: 196,608 bytes for [0, 256) here (by hand: group
+    0 chunks 2-3 x 16 KiB, group 1 chunks 0-3 x 16 KiB, group 2 chunks 0-3 x 24 KiB).
+    At 1 MB/s that is 0.2 s, where recomputing 256 tokens takes 0.26 ms: no lookup is
+    sent, the request misses at once. A fast tier is asked (pending)."""
+    from gemma4_kv.lookup import messages
+    from gemma4_kv.lookup.service import LookupService
+    from gemma4_kv.lookup.wait import Rates
+
+    store = open_store(server.url)
+    try:
+        put(store, 32, 4)
+        hashes = chunk_hashes(tokens_of(32, 4), CHUNK)
+        assert store.fetch_bytes(hashes, 0, 4 * CHUNK) == 196_608
+        slow, fast = Rates(), Rates()
+        for rates, tier_s in ((slow, 1.0), (fast, 0.001)):
+            rates.prefill(1000, 0.001)
+            rates.fetched(10**6, tier_s)
+        ask = messages.Lookup("r", hashes, 0, 4 * CHUNK)
+        assert LookupService(store, LAYOUT, CHUNK, 30.0, rates=slow).lookup(ask) \
+            == messages.LookupReply()
+        assert not store.in_flight()
+        service = LookupService(store, LAYOUT, CHUNK, 30.0, rates=fast)
+        assert service.lookup(ask).pending
+        assert _poll_until(lambda: not service.advance(), 10)
+        service.close()  # the verified hit goes back
+        assert store.flush(10)
+        assert server.locks() == (0, 0, 0)
+    finally:
+        store.close()
+
+
+def _poll_until(condition, limit_s: float) -> bool:
+    """Whether `condition` came true within `limit_s` (a bound on a hang, not a timing)."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def test_requests_with_one_prefix_each_get_their_own_lookup(server):
     """Two requests of one prompt looked up together: each pin takes the locks of one
     settled lookup (none asks the server again, none is left without a hit)."""
@@ -315,17 +390,8 @@ def test_unfinished_writes_made_visible_are_never_offered(server):
     """0.5.6 commits a client's open reservations when its registration goes (reaped
     after a crash, or unregistered): their bytes are whatever was there. The store
     verifies every object it reads and never offers a bad one."""
-    crashed = open_store(server.url)
     hashes = chunk_hashes(tokens_of(6, 2), CHUNK)
-    res = crashed.reserve(ChunkWrite("crashed", hashes, 0, [(0, 1, 2)] * 2, [(128, HIGH)]))
-    assert len(res.objects) == 6
-    for (h, g), (kv, trailer, key) in res.objects.items():
-        kv.copy_(payload((hashes.index(h), g), kv, 6))  # filled, never sealed or committed
-        if h == hashes[0]:
-            integrity.seal(kv, trailer, key)
-    space = crashed.conn.space
-    for iid in space.ids.values():  # what the reaper does to a dead client
-        crashed.conn.client.unregister_kv_cache_engine_driven_context(iid).result(5)
+    crashed = crash_while_writing(server.url, 6)
     reader = open_store(server.url, stats=Gemma4KVStats())
     try:
         # The server holds all 6 objects; chunk 1's 3 fail verification: no hit offered.
@@ -340,6 +406,22 @@ def test_unfinished_writes_made_visible_are_never_offered(server):
         reader.close()
         crashed.conn._stop.set()
         crashed.conn.client.close()
+
+
+def crash_while_writing(url: str, seed: int) -> ServerStore:
+    """A client that reserved 2 chunks of prompt `seed`, filled them, sealed chunk 0
+    only and died: the server's reaper commits all 6 objects (chunk 1's are bad)."""
+    crashed = open_store(url)
+    hashes = chunk_hashes(tokens_of(seed, 2), CHUNK)
+    res = crashed.reserve(ChunkWrite("crashed", hashes, 0, [(0, 1, 2)] * 2, [(128, HIGH)]))
+    assert len(res.objects) == 6
+    for (h, g), (kv, trailer, key) in res.objects.items():
+        kv.copy_(payload((hashes.index(h), g), kv, seed))  # never committed
+        if h == hashes[0]:
+            integrity.seal(kv, trailer, key)
+    for iid in crashed.conn.space.ids.values():  # what the reaper does to a dead client
+        crashed.conn.client.unregister_kv_cache_engine_driven_context(iid).result(5)
+    return crashed
 
 
 def test_reset_makes_this_engines_objects_unreachable_to_it_only(server):
@@ -572,6 +654,11 @@ def test_zzz_killed_server_fails_fast_and_a_restarted_one_is_used_again(server):
         hashes = chunk_hashes(tokens_of(8, 2), CHUNK)
         held = store.pin(hashes, 64, 128)  # a load in flight
         assert held is not None
+        crashed = crash_while_writing(s.url, 33)  # prompt 33's chunk 1: bad on this server
+        torn = chunk_hashes(tokens_of(33, 2), CHUNK)
+        assert lookup(store, torn) == NONE
+        crashed.conn._stop.set()
+        crashed.conn.client.close()
         s.kill()
         t0 = time.monotonic()
         p = store.start_prefetch(hashes, 0, 128)
@@ -603,6 +690,9 @@ def test_zzz_killed_server_fails_fast_and_a_restarted_one_is_used_again(server):
         finally:
             reader.close()
         assert present == {0: [0, 1], 1: [0, 1], 2: [0, 1]} and pinned and exact
+        # What failed on the dead server is no verdict on the new one's objects.
+        put(store, 33, 2)
+        assert lookup(store, torn, keep=False) == {0: {0, 1}, 1: {0, 1}, 2: {0, 1}}
     finally:
         if store is not None:
             store.close()

@@ -88,7 +88,8 @@ class ConnectorWorker:
         engine_id = self.vllm_config.kv_transfer_config.engine_id
         self.server = LookupServer(
             socket_address(engine_id, engine_core_pid(self.vllm_config), rank),
-            self.lookups.handle if self.enabled else _nothing_cached)
+            self.lookups.handle if self.enabled else _nothing_cached,
+            self.lookups.advance if self.enabled else None)
         record.layout_event(self.fingerprint)
         logger.info("gemma4-kv: %d groups, fingerprint %s, store %s on rank %d",
                     len(self.layout.groups), self.fingerprint,

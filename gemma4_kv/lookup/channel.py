@@ -44,10 +44,17 @@ class LookupServer:
 
     A ROUTER socket, so what is not one of our requests ([request id, payload] frames
     decoding to a `messages.Request`) gets no answer at all: it is logged and counted in
-    `dropped`, and serving goes on. A handler exception is answered `Failed`."""
+    `dropped`, and serving goes on. A handler exception is answered `Failed`. Between
+    messages the thread calls `advance` (if given) every `BUSY_POLL_MS` while it returns
+    True (work in flight), every 100 ms otherwise."""
 
-    def __init__(self, address: str, handle: Callable[[messages.Request], messages.Reply]):
+    BUSY_POLL_MS = 1
+    """How often `advance` runs while it reports work in flight."""
+
+    def __init__(self, address: str, handle: Callable[[messages.Request], messages.Reply],
+                 advance: Callable[[], bool] | None = None):
         self.address = address
+        self._advance = advance
         self.path = ipc_path(address)
         self.dropped = 0
         self._handle = handle
@@ -78,16 +85,23 @@ class LookupServer:
         self._thread.start()
 
     def _serve(self) -> None:
+        busy = False
         while not self._stop.is_set():
             try:
-                if not self._sock.poll(100):
-                    continue
-                frames = self._sock.recv_multipart()
-                reply = self._answer(frames)
-                if reply is not None:
-                    self._sock.send_multipart([frames[0], frames[1], reply])
+                if self._sock.poll(self.BUSY_POLL_MS if busy else 100):
+                    frames = self._sock.recv_multipart()
+                    reply = self._answer(frames)
+                    if reply is not None:
+                        self._sock.send_multipart([frames[0], frames[1], reply])
             except Exception:  # a dead lookup thread would make every later lookup miss
                 logger.exception("gemma4-kv lookup %s: serving error", self.path)
+            if self._advance is not None:
+                try:
+                    busy = self._advance()
+                except Exception:  # the next message's lookup polls (and reports) again
+                    busy = False
+                    logger.debug("gemma4-kv lookup %s: advance failed", self.path,
+                                 exc_info=True)
 
     def _answer(self, frames: list[bytes]) -> bytes | None:
         """The encoded reply to `frames`, or None for a message that is not ours."""

@@ -158,6 +158,12 @@ class LookupService:
         return self._pin(msg.req_id, msg.pin, msg.hashes, msg.start, msg.hit,
                          set()) is not None
 
+    def advance(self) -> bool:
+        """Between messages (lookup thread): move the store's prefetches on; whether any
+        is still in flight."""
+        self.store.poll()
+        return self.store.in_flight()
+
     def release(self, req_id: str, pin: int) -> None:
         h = self._take_hit(req_id, pin)
         if h is not None:

@@ -120,6 +120,12 @@ class ChunkStore(abc.ABC):
     def poll(self) -> None:
         """Settle every prefetch that has finished (never waits)."""
 
+    def in_flight(self) -> bool:
+        """Whether a prefetch is in flight that `poll` moves on. The lookup thread then
+        polls between messages, so a lookup of several phases (ask, verify, hold) runs
+        them back to back rather than one per scheduler step."""
+        return False
+
     @abc.abstractmethod
     def finish_prefetch(self, prefetch: Prefetch) -> None:
         """The lookup is done with `prefetch` (it pinned its hit, or gave up): whatever

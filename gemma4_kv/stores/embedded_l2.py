@@ -110,6 +110,9 @@ class L2Reads:
         if p not in self._inflight:
             self._inflight.append(p)
 
+    def in_flight(self) -> bool:
+        return bool(self._inflight)
+
     def poll(self) -> None:
         """Settle every finished prefetch: verify what it loaded from L2, drop what fails,
         release its locks (also of prefetches whose lookup gave up waiting). LMCache's

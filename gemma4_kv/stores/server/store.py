@@ -17,8 +17,8 @@ A lookup (`start_prefetch`, settled by `poll` on the lookup thread):
    them against their trailers (`integrity.Verification`: on a GPU by DMA and GPU
    sums). 0.5.6 makes a dead client's unfinished reservations visible when it reaps the
    client, and other clients may write anything under our names: nothing is offered
-   before it verified. A bad object is never offered again by this process (`_bad`),
-   and a shorter end is tried.
+   before it verified. A bad object is never offered again by this process while the
+   same server runs (`_bad`), and a shorter end is tried.
 Only then is the prefetch finished; `pin` takes the verified hit.
 
 Locks, reads and sessions go back without the caller waiting for the server's answers
@@ -113,12 +113,15 @@ class ServerStore(ChunkStore):
         self._full = [g.group_id for g in layout.groups if g.kind is AttentionKind.FULL]
         self._sliding = [g.group_id for g in layout.groups
                          if g.kind is AttentionKind.SLIDING]
+        self._object_bytes = {g.group_id: chunk_size * g.bytes_per_token
+                              for g in layout.groups}
         self._inflight: list[_Prefetch] = []  # lookup thread
         # Verified hits per chain, newest last (requests of one prompt each get their
         # own): lookup thread only.
         self._ready: dict[tuple[bytes, ...], list[_Hit]] = {}
-        self._bad: set[tuple[str, bytes, int]] = set()
-        """(namespace, server chain key, group) of objects that failed verification."""
+        self._bad: set[tuple[int, str, bytes, int]] = set()
+        """(epoch, namespace, server chain key, group) of objects that failed
+        verification: a restarted server holds none of them, and may hold good copies."""
         # Objects a verified hit found on the server process now running, (epoch,
         # namespace, server chain key, group), oldest first: the save after a hit
         # rewrites the hit's last chunk, which the server holds (a reservation would
@@ -172,6 +175,16 @@ class ServerStore(ChunkStore):
                 self._give_up(p)
         self._inflight = still
 
+    def in_flight(self) -> bool:
+        return bool(self._inflight)
+
+    def fetch_bytes(self, chain: Sequence[bytes], start: int, limit: int) -> int:
+        """Bytes a hit of up to `limit` tokens reads from the server: every object of it
+        (this engine keeps none locally), checked and then loaded."""
+        c = self.chunk_size
+        end = min(limit, min(len(chain), -(-limit // c)) * c)
+        return sum(self._object_bytes[g] for g, _ in hit_chunks(self.layout, start, end, c))
+
     def _advance(self, p: _Prefetch) -> bool:
         """One step of `p`; whether it has finished."""
         if p.checking is not None:
@@ -200,7 +213,7 @@ class ServerStore(ChunkStore):
         for g in groups:
             n = lk.found.get(g, 0) if lk is not None else 0
             for i in range(n):
-                if (lk.space.namespace, lk.hashes[i], g) in self._bad:
+                if (lk.epoch, lk.space.namespace, lk.hashes[i], g) in self._bad:
                     n = i
                     break
             out[g] = n
@@ -257,7 +270,7 @@ class ServerStore(ChunkStore):
                         ch = i if lk is p.full else e - i  # window position i: chunk e - i
                         objects.append(((chain[ch], g), kv, trailer,
                                         integrity.key64(lk.space.namespace, chain[ch], g)))
-                        names.append((lk.space.namespace, lk.hashes[i], g))
+                        names.append((lk.epoch, lk.space.namespace, lk.hashes[i], g))
             for other, lk in p.windows.items():
                 if other != e and lk.open:
                     self.reads.drop(lk)
@@ -404,10 +417,9 @@ class ServerStore(ChunkStore):
         return h
 
     def _note_held(self, hit: _Hit, names) -> None:
-        epoch = self.conn.epoch
         with self._held_lock:
-            for ns, key, g in names:
-                self._held[(epoch, ns, key, g)] = True
+            for name in names:
+                self._held[name] = True
             while len(self._held) > HELD_MAX:
                 del self._held[next(iter(self._held))]
 
