@@ -103,8 +103,12 @@ DIFFER = {
     "VLLM_BATCH_INVARIANT=1": dict(env={"VLLM_BATCH_INVARIANT": "1"}),
     "VLLM_FLOAT32_MATMUL_PRECISION=high": dict(env={"VLLM_FLOAT32_MATMUL_PRECISION": "high"}),
     "attention backend FLEX_ATTENTION": dict(backend="FLEX_ATTENTION"),
-    "CPU ISA AVX512": dict(runtime=_with(CPU_RUNTIME, ("device", "capability"), "AVX512")),
-    "CPU with AMX": dict(runtime=_with(CPU_RUNTIME, ("device", "isa", "amx_tile"), True)),
+    # The other ISA than this host's (AVX512 hosts run the AVX2 kernels' other side).
+    "CPU of the other ISA": dict(runtime=_with(CPU_RUNTIME, ("device", "capability"),
+                                               "AVX2" if CPU_RUNTIME["device"].get(
+                                                   "capability") == "AVX512" else "AVX512")),
+    "CPU with(out) AMX": dict(runtime=_with(CPU_RUNTIME, ("device", "isa", "amx_tile"),
+                                           not CPU_RUNTIME["device"]["isa"]["amx_tile"])),
     "GPU compute capability 9.0": dict(runtime=H200),
     "GPU compute capability 8.0": dict(runtime=_with(H200, ("device", "capability"), [8, 0])),
     "GPU with other SM count": dict(runtime=_with(H200, ("device", "sms"), 114)),
