@@ -33,6 +33,47 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_engine_group)  # stable: the order within each group stays
 
 
+_skips: list[tuple[str, str]] = []  # (test id, reason) of every skip in this run
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and isinstance(report.longrepr, tuple):
+        reason = report.longrepr[2]
+        _skips.append((report.nodeid, reason[len("Skipped: "):]
+                       if reason.startswith("Skipped: ") else reason))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The run's skips by reason; under CI=true a skip not in tests/intended_skips.py
+    fails the run."""
+    from collections import Counter
+
+    from intended_skips import unexpected
+    from needs import in_ci
+
+    if not _skips:
+        return
+    tr = terminalreporter
+    tr.section("skips by reason")
+    for reason, n in Counter(r for _, r in _skips).most_common():
+        tr.write_line(f"{n:5d}  {reason}")
+    bad = unexpected([r for _, r in _skips])
+    if bad and in_ci():
+        tr.write_line("skips not in tests/intended_skips.py (a failure under CI=true):",
+                      red=True)
+        for test, reason in _skips:
+            if reason in bad:
+                tr.write_line(f"  {test}: {reason}", red=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from intended_skips import unexpected
+    from needs import in_ci
+
+    if in_ci() and unexpected([r for _, r in _skips]) and exitstatus == 0:
+        session.exitstatus = 1
+
+
 @pytest.fixture(autouse=True)
 def _engines_stay_out_of_process():
     """Fail (and undo) a test that changes VLLM_ENABLE_V1_MULTIPROCESSING in os.environ."""
