@@ -105,8 +105,9 @@ def main(argv=None) -> int:
     from gemma4_kv.layout.plan import hit_chunks
     from gemma4_kv.lookup import messages
     from gemma4_kv.lookup.service import LookupService
-    from gemma4_kv.stores import integrity, server as server_mod
-    from gemma4_kv.stores.base import ChunkWrite
+    from gemma4_kv.lookup.channel import LookupServer
+    from gemma4_kv.stores import integrity
+    from gemma4_kv.stores.base import HIGH, ChunkWrite
     from gemma4_kv.stores.server import ServerStore
     from gemma4_kv.tools.harness import tiny_gemma4_config
     import hashlib
@@ -120,8 +121,10 @@ def main(argv=None) -> int:
     timers = Timers()
     try:
         store = ServerStore(layout, fp, CHUNK, url=srv.url, timeout_s=1.0)
-        client = Counting(store.tier._client)
-        store.tier._client = client
+        client = Counting(store.conn.client)
+        store.conn.client = client
+        m = layout.chunk_multiple
+        limit = (args.tokens - 1) // m * m  # the hit a request of --tokens asks for
         rng = random.Random(0)
         chains = []
         for _ in range(args.prompts):
@@ -132,23 +135,21 @@ def main(argv=None) -> int:
             chains.append(chain)
             res = store.reserve(ChunkWrite("w", chain, 0,
                                            [tuple(g.group_id for g in layout.groups)]
-                                           * len(chain)))
+                                           * len(chain), [(limit, HIGH)]))
             for (_h, _g), (kv, trailer, key) in res.objects.items():
                 kv.copy_(torch.randn(kv.shape, dtype=kv.dtype))
                 integrity.seal(kv, trailer, key)
             store.commit(res)
         l1 = srv.l1()
         service = LookupService(store, layout, CHUNK, timeout_s=2.0)
-        m = layout.chunk_multiple
-        limit = (args.tokens - 1) // m * m
 
         timers.wrap(integrity, "verify", "integrity.verify")
-        timers.wrap(server_mod.integrity, "key64", "integrity.key64")
-        timers.wrap(store.tier, "_tokens", "_tokens (hashes -> token ids)")
-        timers.wrap(store.tier, "_key", "_key (IPCCacheServerKey)")
-        timers.wrap(store.tier.l1, "views", "SharedL1.views")
+        timers.wrap(integrity, "key64", "integrity.key64")
+        timers.wrap(store.conn, "tokens", "conn.tokens (hashes -> token ids)")
+        timers.wrap(store.conn, "key", "conn.key (IPCCacheServerKey)")
+        timers.wrap(store.conn, "views", "conn.views")
         for name in ("start_lookup", "poll_lookup", "keep", "read", "release"):
-            timers.wrap(store.tier, name, f"tier.{name}")
+            timers.wrap(store.reads, name, f"reads.{name}")
         for name in ("poll", "resident", "pin", "start_prefetch", "finish_prefetch"):
             timers.wrap(store, name, f"store.{name}")
 
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
         rtts = []
         for _ in range(50):
             t = time.perf_counter()
-            store.tier._client.ping(None).result(5)
+            store.conn.client.ping(None).result(5)
             rtts.append(time.perf_counter() - t)
 
         def one(i: int) -> dict:
@@ -170,12 +171,19 @@ def main(argv=None) -> int:
                 reply = service.handle(messages.Lookup(req, chain, 0, limit, [], 1))
                 if not reply.pending:
                     break
-                lk = store._inflight[0].lookup if store._inflight else None
+                p = store._inflight[0] if store._inflight else None
+                lk = p.full if p is not None else None
                 if acked is None and lk is not None and not lk.acks:
                     acked = time.perf_counter() - t0
-                time.sleep(args.step_ms / 1e3)
+                # The lookup thread between the scheduler's asks (LookupServer's advance).
+                step_end = time.perf_counter() + args.step_ms / 1e3
+                while service.advance() and time.perf_counter() < step_end:
+                    time.sleep(LookupServer.BUSY_POLL_MS / 1e3)
+                time.sleep(max(0.0, step_end - time.perf_counter()))
             t_pin = time.perf_counter() - t0
             hit = service.take(req, 1)
+            if hit is None:
+                raise SystemExit(f"lookup {i} missed: {reply}")
             t = time.perf_counter()
             service.done(hit)
             t_release = time.perf_counter() - t

@@ -93,14 +93,14 @@ def install(worker) -> str:
             _wrap(store, name, f"store.{name}", per_thread=name == "release")
     _wrap(integrity, "verify", "integrity.verify")
     _wrap(integrity, "seal", "integrity.seal")
-    tier = getattr(store, "tier", None)
-    if tier is not None and hasattr(tier, "poll_lookup"):
-        for name in ("start_lookup", "poll_lookup", "keep", "read", "release", "_tokens",
-                     "_finish"):
-            _wrap(tier, name, f"tier.{name}")
-        _wrap(tier.l1, "views", "SharedL1.views")
-        if not isinstance(tier._client, _CountingClient):
-            tier._client = _CountingClient(tier._client)
+    reads, conn = getattr(store, "reads", None), getattr(store, "conn", None)
+    if reads is not None and conn is not None:  # ServerStore: its reads and connection
+        for name in ("start_lookup", "poll_lookup", "keep", "read", "release"):
+            _wrap(reads, name, f"reads.{name}")
+        for name in ("tokens", "key", "views", "finish"):
+            _wrap(conn, name, f"conn.{name}")
+        if not isinstance(conn.client, _CountingClient):
+            conn.client = _CountingClient(conn.client)
     return type(store).__name__
 
 
