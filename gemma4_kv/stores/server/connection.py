@@ -106,7 +106,8 @@ def server_argv(lmcache: str, *, port: int, shm_name: str, l1_gb: float, http_po
             "--chunk-size", str(chunk_size), "--eviction-policy", "LRU",
             "--host", host, "--port", str(port), "--http-port", str(http_port),
             "--l1-write-ttl-seconds", str(write_ttl_s), "--max-workers", str(workers),
-            "--l2-prefetch-policy", "retain", "--disable-observability"]
+            "--l2-prefetch-policy", "retain", "--disable-observability",
+            "--periodic-notifier-interval-ms", "1"]
     for spec in l2_adapters:
         argv += ["--l2-adapter", spec]
     return argv
