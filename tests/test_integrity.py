@@ -215,3 +215,17 @@ def test_a_verification_on_the_gpu_agrees_with_verify_on_pinned_objects():
     pinned = [(kv.pin_memory(), t.pin_memory(), key) for kv, t, key in objects]
     check = integrity.Verification(pinned, torch.device("cuda"))
     assert check.result() == expected and check.done()
+
+
+@pytest.mark.cuda
+def test_a_kept_verification_leaves_the_verified_bytes_on_the_gpu():
+    """`keep`: the copies a load then reads are bit for bit the objects, verdicts as
+    without it (the damaged object's copy is its damaged bytes)."""
+    objects, expected = _objects("cuda")
+    pinned = [(kv.pin_memory(), t.pin_memory(), key) for kv, t, key in objects]
+    check = integrity.Verification(pinned, torch.device("cuda"), keep=True)
+    assert check.result() == expected
+    assert [c.device.type for c in check.copies] == ["cuda"] * len(pinned)
+    for (kv, _, _), copy in zip(pinned, check.copies):
+        assert copy.shape == kv.shape and copy.dtype == kv.dtype
+        assert torch.equal(copy.cpu().view(torch.uint8), kv.view(torch.uint8))

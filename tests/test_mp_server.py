@@ -258,6 +258,31 @@ def _poll_until(condition, limit_s: float) -> bool:
     return True
 
 
+@pytest.mark.cuda
+def test_on_a_gpu_a_hit_is_loaded_from_its_verified_copy_and_the_locks_go(server):
+    """With the KV on a GPU the verified copies stay there: the pin's views are device
+    tensors holding the stored bytes, and the server's read locks went back when the
+    verification finished (the 10 objects of [0, 256), by hand, as in
+    test_a_hit_holds_only_what_it_loads)."""
+    store = open_store(server.url, cuda=True, device="cuda")
+    try:
+        put(store, 34, 4)
+        hashes = chunk_hashes(tokens_of(34, 4), CHUNK)
+        assert lookup(store, hashes) == {0: {2, 3}, 1: {0, 1, 2, 3}, 2: {0, 1, 2, 3}}
+        pinned = store.pin(hashes, 0, 256)
+        assert pinned is not None and len(pinned.views) == 10
+        assert store.flush(10)
+        assert server.locks() == (0, 0, 0)
+        for (h, g), view in pinned.views.items():
+            assert view.is_cuda
+            c = hashes.index(h)
+            assert torch.equal(bits(view.cpu()), bits(payload((c, g), view.cpu(), 34)))
+        store.release(pinned)
+        assert store.device_bytes == 0
+    finally:
+        store.close()
+
+
 def test_requests_with_one_prefix_each_get_their_own_lookup(server):
     """Two requests of one prompt looked up together: each pin takes the locks of one
     settled lookup (none asks the server again, none is left without a hit)."""

@@ -134,39 +134,46 @@ def verify(kv: torch.Tensor, trailer: torch.Tensor, key: int) -> bool:
 
 class Verification:
     """`verify` of several objects, started without waiting for it. On a GPU each object
-    is copied to the device by DMA (no SMs; the bytes cross PCIe once, as a load's do)
-    and summed there, on a stream of its own, so a host thread never reads the bytes;
-    elsewhere the objects are verified on the host at once. `done` never waits; `result`
-    waits if needed."""
+    is copied to the device by DMA (no SMs) and summed there, on a stream of its own, so
+    a host thread never reads the bytes; elsewhere the objects are verified on the host
+    at once. With `keep`, the GPU copies stay (`copies`): a load can then read the very
+    bytes that were verified, from device memory, instead of crossing PCIe again.
+    `done` never waits; `result` waits if needed."""
 
     _streams: dict[str, torch.cuda.Stream] = {}
     _scratch: dict[str, torch.Tensor] = {}
 
     def __init__(self, objects: list[tuple[torch.Tensor, torch.Tensor, int]],
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", keep: bool = False):
         self.device = torch.device(device)
         self._event = self._ok = None
         self._result: list[bool] | None = None
+        self.copies: list[torch.Tensor] | None = None
+        """With `keep` on a GPU: each object's KV on the device, in the order given
+        (complete once `done`)."""
         if self.device.type != "cuda" or not objects:
             self._result = [verify(kv, trailer, key) for kv, trailer, key in objects]
             return
-        self._start(objects)
+        self._start(objects, keep)
 
-    def _start(self, objects) -> None:
+    def _start(self, objects, keep: bool) -> None:
         dev = str(self.device)
         with _lock:
             stream = self._streams.setdefault(dev, torch.cuda.Stream(self.device))
-            need = max(kv.numel() * kv.element_size() for kv, _, _ in objects)
+            need = 0 if keep else max(kv.numel() * kv.element_size() for kv, _, _ in objects)
             scratch = self._scratch.get(dev)
-            if scratch is None or scratch.numel() < need:
+            if need and (scratch is None or scratch.numel() < need):
                 scratch = self._scratch[dev] = torch.empty(need, dtype=torch.uint8,
                                                            device=self.device)
         n = len(objects)
         with torch.cuda.stream(stream):
+            if keep:
+                self.copies = [torch.empty(kv.shape, dtype=kv.dtype, device=self.device)
+                               for kv, _, _ in objects]
             sums = torch.empty(n, dtype=torch.int64, device=self.device)
             for i, (kv, _, _) in enumerate(objects):
                 nbytes = kv.numel() * kv.element_size()
-                buf = scratch[:nbytes]
+                buf = self.copies[i].view(-1).view(torch.uint8) if keep else scratch[:nbytes]
                 buf.copy_(kv.reshape(-1).view(torch.uint8), non_blocking=True)
                 sums[i:i + 1] = weighted_sums(buf.view(1, -1))
             host = torch.stack([t.reshape(-1) for _, t, _ in objects]).pin_memory()

@@ -55,6 +55,10 @@ ABANDON_S = 60.0
 the server's read-lock TTL)."""
 HELD_MAX = 1 << 16
 """Objects remembered as held by the server (`_held`), oldest forgotten first."""
+DEVICE_COPIES_MAX = 16 << 30
+"""Bytes of verified hits kept on the GPU at once (beyond it, or beyond half the free
+device memory, a hit is verified through a scratch buffer and loaded from the server's
+L1: its bytes then cross PCIe twice)."""
 MAX_ROUNDS = 3
 """Rounds of window-chain lookups one prefetch may ask (the longest end, then shorter
 ones, then the next shorter after a bad object)."""
@@ -68,7 +72,11 @@ class _Hit:
     end: int
     pins: list[Pin]
     views: dict[ChunkKey, torch.Tensor]
-    """(chain hash, group id) -> KV view in the server's L1, valid until released."""
+    """(chain hash, group id) -> KV view in the server's L1, or its verified copy on the
+    GPU (`device_bytes`), valid until released."""
+    device_bytes: int = 0
+    space: object = None
+    """The registrations it was looked up in (a reset replaces them)."""
 
 
 @dataclass
@@ -128,6 +136,7 @@ class ServerStore(ChunkStore):
         # cost the model thread a round trip for nothing). Each is used once.
         self._held: dict[tuple[int, str, bytes, int], bool] = {}
         self._held_lock = threading.Lock()
+        self._device_bytes = 0  # verified copies on the GPU (under _held_lock)
 
     @property
     def has_l2(self) -> bool:
@@ -279,12 +288,35 @@ class ServerStore(ChunkStore):
                 self.reads.release(pin)
             self._give_up(p)
             return True
-        hit = _Hit(p.start, end, pins, {ck: kv for ck, kv, _, _ in objects})
+        hit = _Hit(p.start, end, pins, {ck: kv for ck, kv, _, _ in objects},
+                   space=p.full.space)
+        nbytes = sum(kv.numel() * kv.element_size() for _, kv, _, _ in objects)
+        keep = self._take_device(nbytes)
         check = integrity.Verification([(kv, t, key) for _, kv, t, key in objects],
-                                       self.device)
+                                       self.device, keep=keep)
+        if keep:
+            hit.device_bytes = nbytes
         p.checking = (hit, check, names)
-        p.loaded_bytes = sum(kv.numel() * kv.element_size() for _, kv, _, _ in objects)
+        p.loaded_bytes = nbytes
         return self._checked(p) if check.done() else False
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of verified hits now held on the GPU."""
+        return self._device_bytes
+
+    def _take_device(self, nbytes: int) -> bool:
+        """Whether a hit of `nbytes` may keep its verified copy on the GPU (then counted
+        in `_device_bytes` until released): at most half the device's free memory, and
+        `DEVICE_COPIES_MAX` for all hits together."""
+        if self.device.type != "cuda":
+            return False
+        free, _ = torch.cuda.mem_get_info(self.device)
+        with self._held_lock:
+            if self._device_bytes + nbytes > min(DEVICE_COPIES_MAX, free // 2):
+                return False
+            self._device_bytes += nbytes
+        return True
 
     def _checked(self, p: _Prefetch) -> bool:
         """The verification of `p`'s hit has finished: offer it, or drop what failed and
@@ -292,6 +324,10 @@ class ServerStore(ChunkStore):
         hit, check, names = p.checking
         p.checking = None
         bad = [n for n, ok in zip(names, check.result()) if not ok]
+        if not bad and check.copies is not None:
+            # The load reads the verified copies on the GPU: the server's locks go now.
+            hit.views = dict(zip(hit.views, check.copies))
+            self._release_pins(hit)
         if not bad:
             p.hit, p.finished, p.finished_at = hit, True, time.monotonic()
             if p.done_with:
@@ -386,7 +422,7 @@ class ServerStore(ChunkStore):
                 del entries[i]
                 if not entries:
                     self._ready.pop(chain, None)
-                if all(pin.space is self.conn.space for pin in h.pins):
+                if h.space is self.conn.space:
                     return h
                 self._release_hit(h)  # asked before a reset
                 return None
@@ -424,6 +460,14 @@ class ServerStore(ChunkStore):
                 del self._held[next(iter(self._held))]
 
     def _release_hit(self, hit: _Hit) -> None:
+        self._release_pins(hit)
+        if hit.device_bytes:
+            hit.views = {}
+            with self._held_lock:
+                self._device_bytes -= hit.device_bytes
+            hit.device_bytes = 0
+
+    def _release_pins(self, hit: _Hit) -> None:
         for pin in hit.pins:
             try:
                 self.reads.release(pin)
