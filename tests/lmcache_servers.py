@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import importlib.util
 import shutil
 import signal
 import socket
@@ -22,9 +23,16 @@ from needs import skip_or_fail
 ENV = dict(os.environ, LMCACHE_DISABLE_BANNER="1", LMCACHE_TRACK_USAGE="false")
 
 
-def lmcache_bin() -> str | None:
+def lmcache_bin() -> list[str] | None:
+    """How to run the `lmcache` CLI: the venv's script, one on PATH, or its module (an
+    install by --target, as on the GPU machine, has no script on PATH)."""
     here = Path(sys.executable).with_name("lmcache")
-    return str(here) if here.exists() else shutil.which("lmcache")
+    exe = str(here) if here.exists() else shutil.which("lmcache")
+    if exe is not None:
+        return [exe]
+    if importlib.util.find_spec("lmcache") is not None:
+        return [sys.executable, "-m", "lmcache.cli.main"]
+    return None
 
 
 def free_port() -> int:
@@ -49,8 +57,9 @@ class Server:
     def _start(self) -> None:
         self.http = free_port()
         self.log = open(Path(self.log_dir) / f"{self.shm}-{self.port}.log", "a+")
-        argv = server_argv(self.exe, port=self.port, shm_name=self.shm, l1_gb=self.l1_gb,
-                           http_port=self.http, host="127.0.0.1")
+        argv = self.exe + server_argv("lmcache", port=self.port, shm_name=self.shm,
+                                      l1_gb=self.l1_gb, http_port=self.http,
+                                      host="127.0.0.1")[1:]
         self.proc = subprocess.Popen(argv, env=ENV, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + 120
