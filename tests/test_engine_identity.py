@@ -198,3 +198,20 @@ def test_runtime_identity_reads_the_gpu():
     assert r["device"]["capability"] == list(torch.cuda.get_device_capability(dev))
     assert r["device"]["name"] == torch.cuda.get_device_name(dev)
     assert r["cuda"] == torch.version.cuda
+
+
+def test_tf32_flags_read_after_vllm_set_them_the_new_way():
+    """vLLM's batch-invariant mode sets TF32 through torch's per-operator API; the legacy
+    `allow_tf32` getters then raise, and every GPU engine failed to start (H200,
+    2026-12-02). The flags read, and a change of them shows."""
+    from gemma4_kv.keys.engine import tf32_flags
+
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "ieee"
+        ieee = tf32_flags()
+        matmul.fp32_precision = "tf32"
+        assert tf32_flags() != ieee
+    finally:
+        matmul.fp32_precision = before

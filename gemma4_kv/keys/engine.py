@@ -296,6 +296,18 @@ _LIBRARIES = ("torch", "triton", "flashinfer-python", "nvidia-cublas-cu12",
               "nvidia-cudnn-cu13", "nvidia-cudnn", "deep-gemm", "intel-extension-for-pytorch")
 
 
+def tf32_flags() -> list:
+    """TF32 use of cuBLAS matmuls and cuDNN convolutions and RNNs. Read through torch's
+    per-operator `fp32_precision` where it has one: the legacy `allow_tf32` getters
+    raise once anything (vLLM's batch-invariant mode) set the flags the new way."""
+    import torch
+
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    if hasattr(matmul, "fp32_precision") and hasattr(cudnn, "conv"):
+        return [matmul.fp32_precision, cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision]
+    return [matmul.allow_tf32, cudnn.allow_tf32]
+
+
 def runtime_identity(device) -> dict:
     """What this process computes on: the device (compute capability, name and SM count
     on CUDA: kernel libraries pick kernels by them; on CPU the architecture, the ISA
@@ -324,10 +336,9 @@ def runtime_identity(device) -> dict:
                          "capability": list(torch.cuda.get_device_capability(device)),
                          "name": props.name, "sms": props.multi_processor_count}
         matmul = torch.backends.cuda.matmul
-        out["reduced_precision"] = [matmul.allow_tf32,
+        out["reduced_precision"] = [*tf32_flags(),
                                     matmul.allow_fp16_reduced_precision_reduction,
-                                    matmul.allow_bf16_reduced_precision_reduction,
-                                    torch.backends.cudnn.allow_tf32]
+                                    matmul.allow_bf16_reduced_precision_reduction]
         out["cudnn"] = torch.backends.cudnn.version()
     else:
         flags = {name: bool(getattr(torch.cpu, f"_is_{name}_supported", lambda: None)())
