@@ -350,13 +350,23 @@ def test_objects_a_lookup_brought_up_beyond_its_hit_are_verified_too(tier_server
         again, _ = put(store, hashes[:3], gen, first=2)  # the engine recomputed chunk 2
         assert (hashes[2], 1) in again
         written.update(again)
+        # Every object of the prompt is in the CPU tier now but the damaged one, which
+        # verification dropped: the whole prompt is no hit (it would be, damaged, if
+        # verification had let chunk 3's full-attention object through).
+        assert store.resident(hashes) == {0: {0, 1, 2, 3}, 1: {0, 1, 2}}
+        assert store.pin(hashes, 0, 4 * CHUNK) is None
+        # Once the engine recomputes chunk 3 too, the whole prompt hits, and what it reads
+        # is what was written: the objects brought up from the server and verified, and
+        # the recomputed ones (chunks 2 and 3 of the full-attention group).
+        last, _ = put(store, hashes, gen, first=3)
+        assert set(last) == {(hashes[3], 1)}  # the only object missing
+        written.update(last)
         pinned = store.pin(hashes, 0, 4 * CHUNK)
-        if pinned is not None:  # only what verification let through, bit-exact
-            try:
-                assert all(torch.equal(bits(v), bits(written[k]))
-                           for k, v in pinned.views.items())
-            finally:
-                store.release(pinned)
+        assert pinned is not None and set(pinned.views) == needed(hashes)
+        try:
+            assert all(torch.equal(bits(v), bits(written[k])) for k, v in pinned.views.items())
+        finally:
+            store.release(pinned)
     finally:
         store.close()
 
