@@ -167,14 +167,22 @@ def _lineage(me) -> dict:
 def drop_l1(worker, timeout: float = 30.0) -> dict:
     """Empty the CPU tier (what a fresh engine has). Waits first until nothing is
     read-locked: no request is in flight between steps, but LMCache holds objects it is
-    still writing to an L2 tier (a server that was frozen) until those writes end."""
+    still writing to an L2 tier (a server that was frozen) until those writes end.
+    Raises TimeoutError, dropping nothing, if objects are still read-locked after
+    `timeout` seconds: they would stay in L1 and the step after would not start from
+    an empty CPU tier."""
     store = _worker().store
     t0 = time.monotonic()
     while True:
         store.poll()
         before = store.tier.status()
-        if not before["read_locked_count"] or time.monotonic() > t0 + timeout:
+        if not before["read_locked_count"]:
             break
+        if time.monotonic() > t0 + timeout:
+            raise TimeoutError(
+                f"faults.drop_l1: {before['read_locked_count']} CPU-tier object(s) still "
+                f"read-locked after {timeout} s (an L2 write or a load that never ended); "
+                "nothing dropped")
         time.sleep(0.05)
     store.drop_l1()
     after = store.tier.status()
@@ -189,17 +197,23 @@ def wait_l2(worker, disk: str | None = None, port: int | None = None,
     asynchronous): the disk tier's files, or a Redis-protocol server's keys on `port`,
     and no write holds a read lock any more (an object stored again writes a file that
     exists already: counting files cannot tell that write is done); how many there are.
-    Call it with no request in flight (then only L2 writes hold read locks)."""
+    Call it with no request in flight (then only L2 writes hold read locks). Raises
+    TimeoutError if that is not so after `timeout` seconds."""
     store = _worker().store
     deadline = time.monotonic() + timeout
     while True:
         status = store.tier.status()
         have = _server_keys(port) if port else len(
             [p for p in Path(disk).rglob("*") if p.is_file() and p.stat().st_size > 0])
-        if (have >= status["total_object_count"] and status["read_locked_count"] == 0) \
-                or time.monotonic() > deadline:
+        if have >= status["total_object_count"] and status["read_locked_count"] == 0:
             time.sleep(0.3)  # let the last writes close their files
             return have
+        if time.monotonic() > deadline:
+            where = f"the server on port {port}" if port else f"the disk tier in {disk}"
+            raise TimeoutError(
+                f"faults.wait_l2: after {timeout} s {where} holds {have} object(s) of the "
+                f"CPU tier's {status['total_object_count']}, and "
+                f"{status['read_locked_count']} are still read-locked by writes")
         time.sleep(0.05)
 
 

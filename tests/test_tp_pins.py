@@ -135,9 +135,15 @@ def test_a_store_read_that_raises_on_one_rank_is_that_requests_miss_only(ranks, 
     put(stores[1], hashes[:6], gen)
     monkeypatch.setattr(stores[1], "pin", original)
     hit, _ = lookup_all_ranks(client, messages.Lookup("r4", hashes, 0, 8 * CHUNK - 16))
-    assert hit > 0
+    # By hand: rank 1 holds chunks 0-5 of the full group and, for its one end at 384,
+    # the sliding window before it (tokens 284-383: chunks 4-5), so 384 is the only hit
+    # it can serve; rank 0 holds the same objects (its LOW end at 384) and more. The
+    # longest hit both serve: 384.
+    assert hit == 384
     for service in services:
-        service.done(service.take("r4", 0))
+        h = service.take("r4", 0)
+        assert (h.start, h.hit) == (0, 384)
+        service.done(h)
     for store in stores:
         assert locked(store, hashes) == set()
 

@@ -179,6 +179,9 @@ class LookupClient:
         self.addresses = list(addresses)
         self.timeout_ms = timeout_ms
         """Time for a whole round of `ask_all`, not per rank."""
+        self.waited_out = 0
+        """Rounds of `ask_all` that waited the whole `timeout_ms` for a rank that never
+        answered. `tell_all` never waits and counts nothing."""
         self._ctx = zmq.Context()
         self._socks = []
         for address in self.addresses:
@@ -221,6 +224,8 @@ class LookupClient:
                         logger.warning("gemma4-kv worker at %s: %s failed: %s",
                                        self.addresses[rank], name, reply.error)
                         ok = False
+        if waiting:  # the deadline passed
+            self.waited_out += 1
         for rank in sorted(waiting):
             logger.warning("gemma4-kv worker at %s did not answer %s in %d ms",
                            self.addresses[rank], name, self.timeout_ms)

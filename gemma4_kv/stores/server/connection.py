@@ -158,6 +158,13 @@ class ServerConnection:
                  prefault: bool = True, cuda_register: bool = False):
         self.url, self.layout, self.chunk_size = url, layout, chunk_size
         self.timeout_s = timeout_s
+        self.waited_out = 0
+        """Calls for the store's users (the heartbeat's probes left out) that waited
+        `timeout_s` for an answer that never came: a `call` past its deadline, a lookup
+        unanswered that long. Each marks the server down, and calls after that fail at
+        once without waiting: while it stays down, this grows only by calls that were
+        already waiting when it went."""
+        self._counting = threading.Lock()
         self.client = lmcache.server_client(url)
         self._healthy = True
         self.state = threading.RLock()
@@ -208,6 +215,8 @@ class ServerConnection:
             if not self._healthy and not probing:
                 raise ServerUnavailable(f"{self.url} is not answering")
             if time.monotonic() > deadline:
+                if not probing:
+                    self.waited_out_once()
                 if self._healthy:
                     logger.warning("gemma4-kv: %s gave no answer to %s within %g s",
                                    self.url, what, self.timeout_s)
@@ -215,6 +224,11 @@ class ServerConnection:
                 raise ServerUnavailable(f"{self.url}: no answer to {what} within "
                                         f"{self.timeout_s} s")
         return future.result(0)
+
+    def waited_out_once(self) -> None:
+        """Count a call that waited out `timeout_s` (`waited_out`)."""
+        with self._counting:
+            self.waited_out += 1
 
     def mark_down(self, reason: str) -> None:
         """The server failed to answer: down until the heartbeat gets answers again."""

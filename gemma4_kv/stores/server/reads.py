@@ -148,6 +148,7 @@ class ServerReads:
             lk.asked = now
         elif now - lk.asked > conn.timeout_s and not any(
                 f.query() for f in (*lk.acks.values(), *lk.polls.values())):
+            conn.waited_out_once()
             conn.mark_down(f"no answer to a lookup within {conn.timeout_s} s")
         return False
 
@@ -157,6 +158,7 @@ class ServerReads:
         while not self.poll_lookup(lk):
             self.conn.check()
             if time.monotonic() > deadline:
+                self.conn.waited_out_once()
                 raise ServerUnavailable(f"{self.conn.url}: lookup not done within "
                                         f"{self.conn.timeout_s} s")
             time.sleep(0.0005)
