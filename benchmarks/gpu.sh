@@ -4,9 +4,10 @@
 #     bash benchmarks/gpu.sh PART[=SECONDS] [PART+PART ...]
 # Parts, run in the order given, each under its own time limit (PART=SECONDS sets it;
 # A+B runs parts side by side, for checks that are not timed):
-#   checks   CUDA tests (kernel, movers, integrity, staging, shared memory), the GPU
-#            end-to-end cases (tests/test_e2e_gpu.py) and the default-numerics check
-#            (numerics_gpu.py) side by side
+#   checks   cuda and e2e side by side:
+#   cuda     CUDA tests (kernel, movers, integrity, staging, shared memory)
+#   e2e      the GPU end-to-end cases (tests/test_e2e_gpu.py) and the default-numerics
+#            check (numerics_gpu.py)
 #   sweep    tier sweep (bench_sweep.py): 12B-like shape with 12 of its 48 layers, 16 x
 #            8K-token documents, loop and Zipf orders, CPU tier 0.4-3x OffloadingConnector's
 #            working set; gemma4-kv and the OffloadingConnector at their defaults, no
@@ -33,18 +34,24 @@ R=/tmp/results && mkdir -p $R
   df -h /dev/shm; free -g; nproc; date -u; git log -1 --format=%H 2>/dev/null; } > $R/gpu.txt 2>&1
 ENV="$R/gpu.txt"
 
-part_checks() {
+part_checks() {  # the CUDA tests and the end-to-end cases, side by side
+  part_cuda & part_e2e & wait
+}
+part_cuda() {
   local d=$R/checks && mkdir -p $d
   timeout 200 python3 -P -m pytest -q -x tests/test_mover.py tests/test_integrity.py tests/test_warmup_cuda.py \
     tests/test_staging.py tests/test_mp_server_cuda.py "tests/test_mp_server.py::test_on_a_gpu_a_hit_is_loaded_from_its_verified_copy_and_the_locks_go" \
-    tests/test_engine_identity.py::test_runtime_identity_reads_the_gpu > $d/pytest_cuda.log 2>&1 &
+    tests/test_engine_identity.py::test_runtime_identity_reads_the_gpu > $d/pytest_cuda.log 2>&1
+  tail -1 $d/pytest_cuda.log
+}
+part_e2e() {  # the GPU end-to-end cases and the default-numerics check
+  local d=$R/checks && mkdir -p $d
   for k in medium "tiny and not kv_shared" kv_shared mtp; do
     timeout 280 python3 -P -m pytest -q -rA -x -k "$k" tests/test_e2e_gpu.py \
       > "$d/e2e_${k%% *}.log" 2>&1 &
   done
   timeout 280 python3 benchmarks/numerics_gpu.py $d/numerics.json > $d/numerics.log 2>&1 &
   wait
-  tail -1 $d/pytest_cuda.log
   grep -hE "^(PASSED|FAILED|ERROR)|[0-9]+ (passed|failed)" $d/e2e_*.log
   grep -E "^(recompute|vllm_prefix|gemma4_kv) " $d/numerics.log
 }
