@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from gemma4_kv.stores import integrity
+from gemma4_kv.layout import integrity
 
 SHAPES = {"sliding": (2, 10, 256, 4096), "full": (2, 10, 256, 2048)}
 

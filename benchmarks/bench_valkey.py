@@ -348,7 +348,7 @@ def adapter_point(server: Server, *, spec: dict, objects: dict, chunks: int,
                   label: str) -> dict:
     """A storage layer writes `chunks` chunks of `objects` ({group id: KV shape}) to the
     tier; a second one, with an empty CPU tier, prefetches them all back."""
-    from gemma4_kv.stores import integrity
+    from gemma4_kv.layout import integrity
     from gemma4_kv.stores.lmcache import StorageLayer
 
     layouts = {g: ([torch.Size(s), torch.Size(integrity.SEAL_SHAPE)],

@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     from gemma4_kv.lookup import messages
     from gemma4_kv.lookup.service import LookupService
     from gemma4_kv.lookup.channel import LookupServer
-    from gemma4_kv.stores import integrity
+    from gemma4_kv.layout import integrity
     from gemma4_kv.stores.base import HIGH, ChunkWrite
     from gemma4_kv.stores.server import ServerStore
     from gemma4_kv.tools.harness import tiny_gemma4_config

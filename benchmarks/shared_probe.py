@@ -66,7 +66,7 @@ def install(worker) -> str:
     """Wrap the connector's paths in this process (once)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from gemma4_kv.stores import integrity
+    from gemma4_kv.layout import integrity
 
     conn = get_kv_transfer_group()
     w = conn._worker

@@ -175,7 +175,7 @@ class SchedulerHalf:
         return [s.pinned_requests() for s in self.services]
 
     def _put(self, store, save):
-        from gemma4_kv.stores import integrity
+        from gemma4_kv.layout import integrity
 
         res = store.reserve(save.write)
         for kv, trailer, key in res.objects.values():

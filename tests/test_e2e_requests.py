@@ -367,7 +367,7 @@ def test_lmcache_log_level_is_what_silences_its_per_lookup_lines():
     (In the engine too: the script above with lmcache_log_level INFO prints dozens.)"""
     import logging
 
-    from gemma4_kv.stores import integrity
+    from gemma4_kv.layout import integrity
     from gemma4_kv.stores.base import HIGH, ChunkWrite
     from gemma4_kv.stores.embedded import EmbeddedStore, StoreConfig
     from gemma4_kv.stores.lmcache import set_log_level

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from gemma4_kv.stores import integrity
+from gemma4_kv.layout import integrity
 from paged import random_bits
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gemma4_kv.stores import integrity
+from gemma4_kv.layout import integrity
 from gemma4_kv.keys.engine import fingerprint
 from model_keys import chunk_hashes
 from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout

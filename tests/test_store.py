@@ -13,7 +13,7 @@ import torch
 
 from gemma4_kv.keys.engine import fingerprint
 from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
-from gemma4_kv.stores import integrity
+from gemma4_kv.layout import integrity
 from gemma4_kv.stores.base import HIGH, LOW, ChunkWrite
 from gemma4_kv.stores.embedded import EmbeddedStore, StoreConfig
 from model_keys import chunk_hashes

@@ -11,7 +11,7 @@ import torch
 
 from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
 from gemma4_kv.layout.plan import ChunkBlocks
-from gemma4_kv.stores import integrity
+from gemma4_kv.layout import integrity
 from gemma4_kv.transfer.staging import StagingPool
 from gemma4_kv.transfer.streams import Transfer
 from gemma4_kv.transfer.warmup import warm_up

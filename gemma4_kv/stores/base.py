@@ -2,7 +2,7 @@
 (`embedded.EmbeddedStore`) and a running `lmcache server` (`server.ServerStore`).
 
 A store keeps objects: one per (chunk, KV cache group), the group's KV_2LTD tensor
-plus its integrity trailer (`integrity.py`). Chunks are named by their position on a
+plus its integrity trailer (`layout/integrity.py`). Chunks are named by their position on a
 *chain*, the request's chunk hashes from chunk 0 (`keys.request`), because the KV of a
 chunk depends on everything before it; a store may key by the hash alone (embedded) or
 by the whole prefix (the server).

@@ -28,7 +28,7 @@ import torch
 
 from ..layout.groups import AttentionKind, KVLayout
 from ..layout.plan import hit_chunks, window_chunks
-from . import integrity
+from ..layout import integrity
 from .base import ChunkKey, ChunkStore, ChunkWrite, Pinned, Reservation, StoreCapabilities
 from .capacity import Capacity, EndSpec
 from .embedded_l2 import L2Reads

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..layout.plan import hit_chunks
-from . import integrity
+from ..layout import integrity
 from .base import ChunkKey, Prefetch
 from .capacity import EndSpec
 

@@ -13,7 +13,7 @@ import time
 from collections import defaultdict
 
 from ..layout.plan import save_blocks
-from ..stores import integrity
+from ..layout import integrity
 from ..stores.base import ChunkStore, Reservation
 from .jobs import FinishJob, JobQueue, SaveJob
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..stores import integrity
+from ..layout import integrity
 from ..layout.groups import KVGroup
 from .mover import BlockMoves, gather, scatter, scatter_by_layer
 from ..layout.plan import ChunkBlocks

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from ..layout.plan import ChunkBlocks
-from ..stores import integrity
+from ..layout import integrity
 
 logger = logging.getLogger(__name__)
 

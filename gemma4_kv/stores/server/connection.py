@@ -33,7 +33,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ...layout.groups import KVGroup, KVLayout
-from .. import integrity, lmcache
+from ...layout import integrity
+from .. import lmcache
 from .shm import SharedL1, UnsupportedServer
 
 logger = logging.getLogger(__name__)

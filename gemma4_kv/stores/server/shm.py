@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 
 from ...layout.groups import KVGroup
-from .. import integrity
+from ...layout import integrity
 
 SEAL_BYTES = 8 * integrity.SEAL_SHAPE[0]
 

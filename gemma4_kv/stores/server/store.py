@@ -41,7 +41,7 @@ import torch
 
 from ...layout.groups import AttentionKind, KVLayout
 from ...layout.plan import hit_chunks, needed_chunks
-from .. import integrity
+from ...layout import integrity
 from ..base import ChunkKey, ChunkStore, ChunkWrite, Pinned, Prefetch, Reservation, StoreCapabilities
 from .connection import ServerConnection, ServerUnavailable, runs
 from .reads import Lookup, Pin, ServerReads
