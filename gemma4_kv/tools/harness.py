@@ -3,7 +3,7 @@
 Used by the end-to-end tests, the demo and the GPU benchmarks. Run as a script so
 vLLM's engine processes start from a clean `__main__`:
 
-    python -m gemma4_kv.harness SPEC.json OUT.json
+    python -m gemma4_kv.tools.harness SPEC.json OUT.json
 
 SPEC: {"model": dir, "connector": bool,
        "connector_class"/"connector_module": another connector (tests),
