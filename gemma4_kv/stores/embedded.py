@@ -30,7 +30,7 @@ from ..layout.groups import AttentionKind, KVLayout
 from ..layout.plan import hit_chunks, window_chunks
 from ..layout import integrity
 from .base import ChunkKey, ChunkStore, ChunkWrite, Pinned, Reservation, StoreCapabilities
-from .capacity import Capacity, EndSpec
+from .capacity import Capacity, EndSpec, hit_end
 from .embedded_l2 import L2Reads
 from .lmcache import StorageLayer
 
@@ -137,8 +137,7 @@ class EmbeddedStore(L2Reads, ChunkStore):
         return integrity.key64(namespace or self.namespace, chunk_hash, group_id)
 
     def _end(self, chain: Sequence[bytes], tokens: int, cls: int) -> EndSpec:
-        cells = [(chain[c], g) for g, c in hit_chunks(self.layout, 0, tokens, self.chunk_size)]
-        return EndSpec((chain[-(-tokens // self.chunk_size) - 1], tokens), cls, tuple(cells))
+        return hit_end(self.layout, self.chunk_size, chain, tokens, cls)
 
     def _sizes(self, cells) -> dict[ChunkKey, int]:
         return {c: self._bytes[c[1]] for c in cells}
