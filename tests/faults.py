@@ -129,9 +129,7 @@ def snapshot(worker, disk: str | None = None) -> dict:
         "staging": status["staging_object_count"], "staging_bytes": status["staging_bytes"],
         "tracked": len(store.capacity.tracked()), "ends": len(store.capacity.live_ends()),
         "reserved": len(set(store.capacity.tracked()) - store.capacity._stored),
-        "inflight": len(store._inflight),
-        "untrusted": sum(store._maybe_untrusted.values()), "bad": len(store._bad),
-        "hung": len(store._hung), "unverified": len(store._unverified),
+        **store.l2.counts(),  # inflight, untrusted, bad, hung, unverified
         "hits": len(lookups._hits), "pending": len(lookups._pending),
         "saves_pending": len(w.saves),
         "counters": dict(_totals),

@@ -1,6 +1,7 @@
 """The package's layers, as docs/architecture.md draws them: no module imports from a
 layer above its own, and LMCache is reached through one adapter module only
-(`stores/lmcache.py`), by its public names."""
+(`stores/lmcache.py`), by its public names. Its classes meet as objects: none uses an
+attribute or method that only another class defines."""
 
 from __future__ import annotations
 
@@ -24,20 +25,24 @@ def modules() -> dict[str, ast.Module]:
 
 def imports(name: str, tree: ast.Module) -> list[tuple[str, int]]:
     """(absolute module, line) of every import in `tree`, relative ones resolved."""
-    package = name.split(".") if name in PACKAGES else name.split(".")[:-1]
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out += [(a.name, node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[:len(package) - node.level + 1]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module
+            mod = source(name, node)
             out.append((mod, node.lineno))
             out += [(f"{mod}.{a.name}", node.lineno) for a in node.names]
     return out
+
+
+def source(name: str, node: ast.ImportFrom) -> str:
+    """The absolute module a `from ... import` in module `name` imports from."""
+    if not node.level:
+        return node.module
+    package = name.split(".") if name in PACKAGES else name.split(".")[:-1]
+    base = package[:len(package) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 MODULES = modules()
@@ -96,3 +101,156 @@ def test_the_adapter_uses_no_private_lmcache_name():
                 and not node.attr.startswith("__")
                 and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
     assert not private, private
+
+
+# -- classes: each uses only what it or its bases define ---------------------------------
+PLAIN_BASES = {"object", "ABC", "abc.ABC"}
+"""Bases outside the package that give an instance no attributes a subclass might use:
+a class with any other outside base (an exception, an enum, a vLLM or msgspec class) is
+not checked, since what it inherits cannot be read here."""
+
+
+def _methods(cls: ast.ClassDef):
+    """(method, name of its instance or class argument) of every method not static."""
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.args.args \
+                and not any(ast.unparse(d) == "staticmethod" for d in node.decorator_list):
+            yield node, node.args.args[0].arg
+
+
+def _names(target: ast.expr) -> list[str]:
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [n for t in target.elts for n in _names(t)]
+    return []
+
+
+def defined(cls: ast.ClassDef) -> set[str]:
+    """What `cls` itself defines: class attributes, methods and properties, dataclass
+    fields (a bare annotation counts only in a dataclass), and every `self.x` its methods
+    assign."""
+    dataclass = any("dataclass" in ast.unparse(d) for d in cls.decorator_list)
+    out = set()
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Assign):
+            out.update(n for t in node.targets for n in _names(t))
+        elif isinstance(node, ast.AnnAssign) and (node.value is not None or dataclass):
+            out.update(_names(node.target))
+    for method, me in _methods(cls):
+        for node in ast.walk(method):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id == me and isinstance(node.ctx, (ast.Store, ast.Del)):
+                out.add(node.attr)
+    return out
+
+
+def used(cls: ast.ClassDef) -> list[tuple[str, int]]:
+    """(x, line) of every `self.x` (or `cls.x`) its methods read or call."""
+    return [(node.attr, node.lineno) for method, me in _methods(cls)
+            for node in ast.walk(method)
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
+            and isinstance(node.value, ast.Name) and node.value.id == me
+            and not (node.attr.startswith("__") and node.attr.endswith("__"))]
+
+
+def undefined_uses(modules: dict[str, ast.Module]) -> list[str]:
+    """`module.Class:line uses self.x` wherever x is defined neither by the class nor by
+    a base of it in the package."""
+    found: dict[tuple[str, str], ast.ClassDef] = {}
+    for mod, tree in modules.items():
+        found.update(((mod, n.name), n) for n in tree.body if isinstance(n, ast.ClassDef))
+    bases: dict[tuple[str, str], list] = {}
+    for mod, tree in modules.items():
+        scope: dict = {name: (mod, name) for m, name in found if m == mod}
+        for node in ast.walk(tree):  # a class by its local name, a module by its alias
+            if isinstance(node, ast.ImportFrom):
+                head = source(mod, node)
+                for a in node.names:
+                    if (head, a.name) in found:
+                        scope[a.asname or a.name] = (head, a.name)
+                    elif f"{head}.{a.name}" in modules:
+                        scope[a.asname or a.name] = f"{head}.{a.name}"
+
+        def resolve(base: ast.expr):
+            """A base as (module, class) in the package, or its source text."""
+            base = base.value if isinstance(base, ast.Subscript) else base
+            if isinstance(base, ast.Name) and isinstance(scope.get(base.id), tuple):
+                return scope[base.id]
+            if isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) \
+                    and (scope.get(base.value.id), base.attr) in found:
+                return scope[base.value.id], base.attr
+            return ast.unparse(base)
+
+        for (m, name), cls in found.items():
+            if m == mod:
+                bases[(m, name)] = [resolve(b) for b in cls.bases]
+
+    def lineage(key) -> list | None:
+        out = [key]
+        for b in bases[key]:
+            if isinstance(b, str):
+                if b not in PLAIN_BASES:
+                    return None
+                continue
+            above = lineage(b)
+            if above is None:
+                return None
+            out += above
+        return out
+
+    problems = []
+    for key, cls in found.items():
+        line = lineage(key)
+        if line is None:
+            continue
+        mine = set().union(*(defined(found[k]) for k in line))
+        problems += [f"{key[0]}.{key[1]}:{n} uses self.{attr}"
+                     for attr, n in used(cls) if attr not in mine]
+    return sorted(set(problems))
+
+
+def test_no_class_uses_what_only_another_class_defines():
+    """A class reads and calls only what it or its bases in the package define: no mixin
+    that works on attributes its subclass sets up, no base that calls what only a
+    subclass defines. Objects are handed what they need instead."""
+    problems = undefined_uses(MODULES)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_check_sees_a_mixin_on_another_class_state():
+    """Negative control: a mixin reading `self.foo` and calling `self._bar()`, which only
+    the class mixing it in (in another module) defines, is reported, and so is a class
+    that reaches its base through the base's module; the class itself, a subclass using
+    its base's attributes and a dataclass's fields are not."""
+    mixin = ast.parse(
+        "from dataclasses import dataclass\n"
+        "class Mixin:\n"
+        "    def size(self):\n"
+        "        return len(self.foo) + self._bar()\n"
+        "@dataclass\n"
+        "class Record:\n"
+        "    n: int\n"
+        "    def twice(self):\n"
+        "        return 2 * self.n\n")
+    store = ast.parse(
+        "from . import made_up\n"
+        "from .made_up import Mixin as Base\n"
+        "class Store(Base):\n"
+        "    def __init__(self):\n"
+        "        self.foo = []\n"
+        "    def _bar(self):\n"
+        "        return len(self.foo) + self.size()\n"
+        "class Sub(Store):\n"
+        "    def more(self):\n"
+        "        return self.size() + len(self.foo)\n"
+        "class Other(made_up.Mixin):\n"
+        "    def more(self):\n"
+        "        return self.size() + self.baz\n")
+    assert undefined_uses({"gemma4_kv.stores.made_up": mixin,
+                           "gemma4_kv.stores.made_up_store": store}) == [
+        "gemma4_kv.stores.made_up.Mixin:4 uses self._bar",
+        "gemma4_kv.stores.made_up.Mixin:4 uses self.foo",
+        "gemma4_kv.stores.made_up_store.Other:13 uses self.baz"]

@@ -138,7 +138,7 @@ def test_a_fetch_slower_than_recomputing_is_not_waited_for(tier):
     service.wait.rates.fetched(1024, 1.0)
     reply = ask(service, chain)
     assert not reply.pending and reply.pinned == CHUNK
-    assert counts.data["l2_fetches_not_worth_it"] == 1 and not store._inflight
+    assert counts.data["l2_fetches_not_worth_it"] == 1 and not store.in_flight()
     service.release("r", 0)
 
 

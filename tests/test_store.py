@@ -410,7 +410,7 @@ def hung_prefetch(s, tmp_path, monkeypatch, damaged=False):
     s.poll()
     assert not p.finished
     wait_for(lambda: (s.poll(), p.finished)[1])
-    assert state["asked"] >= 1 and p.loaded == set() and len(s._hung) == 1
+    assert state["asked"] >= 1 and p.loaded == set() and s.l2.counts()["hung"] == 1
     return chain, data, release
 
 
@@ -428,7 +428,7 @@ def test_a_hung_l2_prefetch_is_given_up_and_blocks_no_fresh_copy(tmp_path, monke
             assert torch.equal(bits(view), bits(fresh[(h, g)]))
         s.release(pinned)
         release()
-        wait_for(lambda: (s.poll(), not s._hung)[1])
+        wait_for(lambda: (s.poll(), not s.l2.counts()["hung"])[1])
         s.delete([(h, g) for h in chain for g in GROUPS])
         assert s.resident(chain) == {0: set(), 1: set()}  # no lock left behind
     finally:
@@ -445,10 +445,10 @@ def test_what_a_given_up_prefetch_brings_up_late_is_verified_before_it_is_offere
     try:
         chain, data, release = hung_prefetch(s, tmp_path, monkeypatch, damaged)
         release()
-        wait_for(lambda: (s.poll(), not s._hung)[1])
+        wait_for(lambda: (s.poll(), not s.l2.counts()["hung"])[1])
         if damaged:
             assert s.resident(chain) == {0: {0}, 1: {0, 1}}
-            assert s.key(chain[1], 0) in s._bad
+            assert s.l2.is_bad(s.key(chain[1], 0))
         else:
             assert s.resident(chain) == {0: {0, 1}, 1: {0, 1}}
             pin_exact_then_unlocked(s, chain, data)
@@ -481,7 +481,8 @@ def test_a_verification_read_that_raises_leaks_no_lock_and_offers_nothing_unveri
         p = prefetched(s, chain)
         assert fired and p.rejected == 0 and len(p.loaded) == 3  # one read failed
         # verified when next asked for (the prefetch's own second look may do it first)
-        assert s.resident(chain) == {0: {0, 1}, 1: {0, 1}} and not s._unverified
+        assert s.resident(chain) == {0: {0, 1}, 1: {0, 1}}
+        assert not s.l2.counts()["unverified"]
         pin_exact_then_unlocked(s, chain, data, prefetch=p)
     finally:
         s.close()
@@ -532,15 +533,15 @@ def test_a_queued_prefetch_given_up_never_offers_what_it_brings_back_unverified(
                   for i in range(8)]
         queued = s.start_prefetch(chain, 0, 2 * CHUNK)
         wait_for(lambda: (s.poll(), queued.finished and all(p.finished for p in others))[1])
-        assert len(s._hung) == 9 and queued.loaded == set()
+        assert s.l2.counts()["hung"] == 9 and queued.loaded == set()
         evict(s, chain[:1])  # nothing holds chunk 0 any more: evicted
         release()
-        wait_for(lambda: (s.poll(), not s._hung)[1])
+        wait_for(lambda: (s.poll(), not s.l2.counts()["hung"])[1])
         # the queued prefetch ran at last, and brought chunk 0 back from disk
         present = s.tier.resident(1, [s.key(chain[0], 1)], s._layouts[1], False)
-        assert present == [0] or s.key(chain[0], 1) in s._bad
+        assert present == [0] or s.l2.is_bad(s.key(chain[0], 1))
         assert 0 not in s.resident(chain)[1]
         assert s.pin(chain, 0, CHUNK) is None
-        assert s.key(chain[0], 1) in s._bad
+        assert s.l2.is_bad(s.key(chain[0], 1))
     finally:
         s.close()

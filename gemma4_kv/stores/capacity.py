@@ -36,6 +36,8 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from ..layout.groups import KVLayout
+from ..layout.plan import hit_chunks
 from .base import HIGH, LOW
 from .ranking import Ranking
 
@@ -52,6 +54,13 @@ class EndSpec:
     key: EndKey
     cls: int
     cells: tuple[ObjKey, ...]
+
+
+def hit_end(layout: KVLayout, chunk_size: int, chain: Sequence[bytes], tokens: int,
+            cls: int) -> EndSpec:
+    """The end of a hit of `tokens` tokens on `chain`, with every object the hit reads."""
+    cells = [(chain[c], g) for g, c in hit_chunks(layout, 0, tokens, chunk_size)]
+    return EndSpec((chain[-(-tokens // chunk_size) - 1], tokens), cls, tuple(cells))
 
 
 @dataclass(eq=False)

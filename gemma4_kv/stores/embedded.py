@@ -10,9 +10,9 @@ What L1 keeps is decided here, not by LMCache's LRU: `capacity.Capacity` admits 
 evicts whole servable hits, and objects no hit can use are deleted at once.
 
 What may fail is done before a hit is offered, never during its load:
-- an L2 lookup is an LMCache prefetch (`embedded_l2.L2Reads`); what it brings up is
-  verified against its trailer as it lands, and a bad object is dropped and never
-  offered again by this process;
+- an L2 lookup is an LMCache prefetch (`embedded_l2.L2Prefetches`, which the store
+  holds); what it brings up is verified against its trailer as it lands, and a bad
+  object is dropped and never offered again by this process;
 - a hit is served only from objects pinned in L1 (`pin`), checked at pin time.
 """
 
@@ -20,18 +20,18 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ..layout.groups import AttentionKind, KVLayout
-from ..layout.plan import hit_chunks, window_chunks
+from ..layout.groups import KVLayout
+from ..layout.plan import hit_chunks
 from ..layout import integrity
-from .base import ChunkKey, ChunkStore, ChunkWrite, Pinned, Reservation, StoreCapabilities
-from .capacity import Capacity, EndSpec
-from .embedded_l2 import L2Reads
+from .base import (ChunkKey, ChunkStore, ChunkWrite, Pinned, Prefetch, Reservation,
+                   StoreCapabilities)
+from .capacity import Capacity, EndSpec, hit_end
+from .embedded_l2 import L2Prefetches
 from .lmcache import StorageLayer
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class _Reservation(Reservation):
     namespace: str = ""
 
 
-class EmbeddedStore(L2Reads, ChunkStore):
+class EmbeddedStore(ChunkStore):
     CAPABILITIES = StoreCapabilities(slow_tier=True, ranks_hit_ends=True,
                                      stores_generated=True)
     def __init__(self, layout: KVLayout, fingerprint: str, chunk_size: int,
@@ -112,17 +112,13 @@ class EmbeddedStore(L2Reads, ChunkStore):
                                                     self.tier.allocated_bytes).items():
             self._layouts[gid] = self.tier.layout(shapes, dtypes)
             self._bytes[gid] = self.tier.allocated_bytes(shapes, dtypes)
-        self._windows = {g.group_id: window_chunks(g, chunk_size) for g in layout.groups}
-        self._full = [g.group_id for g in layout.groups if g.kind is AttentionKind.FULL]
         self._total = self.tier.usage()[1]
         self.capacity = Capacity(self._total)
         self._warned_untracked = False
-        self._inflight: list = []  # prefetches not settled yet (lookup thread)
-        self._maybe_untrusted: Counter = Counter()  # keys an unsettled prefetch may load
-        self._bad: set = set()  # keys whose L2 copy failed verification
-        self._hung: list = []  # prefetches given up, their tasks still unanswered
-        self._hung_keys: Counter = Counter()  # what those may still bring up from L2
-        self._unverified: set = set()  # keys a given-up prefetch may bring up unverified
+        self.l2 = L2Prefetches(self.tier, self.capacity, layout, chunk_size,
+                               layouts=self._layouts, sizes=self._bytes, key=self.key,
+                               namespace=lambda: self.namespace, delete=self._delete,
+                               verify=config.verify_checksums, stats=stats)
 
     @property
     def has_l2(self) -> bool:
@@ -137,25 +133,32 @@ class EmbeddedStore(L2Reads, ChunkStore):
         return integrity.key64(namespace or self.namespace, chunk_hash, group_id)
 
     def _end(self, chain: Sequence[bytes], tokens: int, cls: int) -> EndSpec:
-        cells = [(chain[c], g) for g, c in hit_chunks(self.layout, 0, tokens, self.chunk_size)]
-        return EndSpec((chain[-(-tokens // self.chunk_size) - 1], tokens), cls, tuple(cells))
+        return hit_end(self.layout, self.chunk_size, chain, tokens, cls)
 
     def _sizes(self, cells) -> dict[ChunkKey, int]:
         return {c: self._bytes[c[1]] for c in cells}
+
+    # -- reads: L2 (`L2Prefetches`) ----------------------------------------------------
+    def start_prefetch(self, chain: Sequence[bytes], start: int, limit: int) -> Prefetch:
+        return self.l2.start_prefetch(chain, start, limit)
+
+    def fetch_bytes(self, chain: Sequence[bytes], start: int, limit: int) -> int:
+        return self.l2.fetch_bytes(chain, start, limit)
+
+    def poll(self) -> None:
+        self.l2.poll()
+
+    def in_flight(self) -> bool:
+        return self.l2.in_flight()
+
+    def finish_prefetch(self, prefetch: Prefetch) -> None:
+        self.l2.finish_prefetch(prefetch)
 
     # -- reads: L1 --------------------------------------------------------------------
     def resident(self, chain: Sequence[bytes]) -> dict[int, set[int]]:
         """Per group id, the chunk indices whose object sits in L1 and may be offered
         (not possibly brought up by an unverified prefetch, not known bad)."""
-        out = {}
-        for gid in self._groups:
-            keys = [self.key(h, gid) for h in chain]
-            present = self.tier.resident(gid, keys, self._layouts[gid], False)
-            if self._unverified:
-                self._check_unverified(gid, keys, present)
-            out[gid] = {i for i in present if keys[i] not in self._maybe_untrusted
-                        and keys[i] not in self._bad and keys[i] not in self._unverified}
-        return out
+        return self.l2.resident(chain)
 
     def pin(self, chain: Sequence[bytes], start: int, hit: int,
             req_id: str = "") -> Pinned | None:
@@ -187,8 +190,7 @@ class EmbeddedStore(L2Reads, ChunkStore):
             if len(hits) != len(keys):
                 return None
         keys = [self.key(h, g) for h, g in cells]
-        if any(k in self._maybe_untrusted or k in self._bad or k in self._unverified
-               for k in keys):
+        if self.l2.withheld(keys):
             return None
         found = self.tier.read(keys)
         views = {}
@@ -279,8 +281,7 @@ class EmbeddedStore(L2Reads, ChunkStore):
             self.tier.discard(keys)
             return
         self.tier.publish(keys)
-        self._bad.difference_update(keys)  # a fresh copy replaces one that failed
-        self._unverified.difference_update(keys)
+        self.l2.stored(keys)  # a fresh copy replaces one that failed
         self.capacity.stored(reservation.objects)
 
     def abort(self, reservation: Reservation) -> None:
@@ -305,7 +306,7 @@ class EmbeddedStore(L2Reads, ChunkStore):
         """Empty L1, as a fresh engine's is (the L2 tiers keep theirs); objects a reader
         holds go once released."""
         self.delete(self.capacity.tracked())
-        self._left_l1(list(self._hung_keys))
+        self.l2.l1_cleared()
         self.tier.clear()
 
     def _delete(self, cells: Sequence[ChunkKey]) -> None:
@@ -318,7 +319,7 @@ class EmbeddedStore(L2Reads, ChunkStore):
             if not keys:
                 continue
             self.tier.delete(keys)
-            self._left_l1(keys)
+            self.l2.left_l1(keys)
             left = self.tier.resident(gid, keys, self._layouts[gid], False)
             if left:
                 self.capacity.kept({(keys[i].chunk_hash, gid): self._bytes[gid]
@@ -334,7 +335,7 @@ class EmbeddedStore(L2Reads, ChunkStore):
         self.namespace = f"{self.fingerprint}-g{uuid.uuid4().hex[:12]}"
         self.tier.clear()
         self.capacity.clear()
-        self._unverified.clear()  # keys of the old generation: never looked up again
+        self.l2.reset()  # keys of the old generation: never looked up again
         return True
 
     def usage(self) -> tuple[int, int]:

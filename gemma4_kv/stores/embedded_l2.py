@@ -9,7 +9,8 @@ those L1 held when it started stay read-locked, so they cannot be evicted and co
 again unverified. A prefetch whose tasks have not answered within `L2_TASK_LIMIT_S` (a
 stuck NFS mount under `fs_native`, a tier that stopped answering) is given up: its locks
 go at once, and what it may still bring up is verified when first offered
-(`_unverified`). A mixin of `embedded.EmbeddedStore`, on its state.
+(`_unverified`). `L2Prefetches` owns that state; `embedded.EmbeddedStore` holds one and
+asks it what L1 may offer.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..layout.plan import hit_chunks
+from ..layout.groups import AttentionKind, KVLayout
+from ..layout.plan import hit_chunks, window_chunks
 from ..layout import integrity
-from .base import ChunkKey, Prefetch
-from .capacity import EndSpec
+from .base import HIGH, ChunkKey, Prefetch
+from .capacity import Capacity, EndSpec, hit_end
+from .lmcache import StorageLayer
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +63,84 @@ class _Prefetch(Prefetch):
     done_with: bool = False
 
 
-class L2Reads:
-    """`start_prefetch`, `poll`, `finish_prefetch` of the embedded store."""
+class L2Prefetches:
+    """The embedded store's L2 reads and their state: prefetches in flight or given up,
+    and the keys of L1 they leave untrusted, bad or unverified. It is handed L1 (`tier`),
+    the store's account (`capacity`), the objects' layouts and sizes per group, and how
+    the store names (`key`, `namespace`) and deletes (`delete`) objects; the store asks
+    it what L1 may offer (`resident`, `withheld`) and tells it what left L1."""
+
+    def __init__(self, tier: StorageLayer, capacity: Capacity, layout: KVLayout,
+                 chunk_size: int, *, layouts: dict[int, object], sizes: dict[int, int],
+                 key: Callable[[bytes, int], object], namespace: Callable[[], str],
+                 delete: Callable[[Sequence[ChunkKey]], None], verify: bool = True,
+                 stats=None):
+        self._tier, self._capacity = tier, capacity
+        self._layout, self._chunk_size = layout, chunk_size
+        self._layouts, self._bytes = layouts, sizes
+        self._key, self._namespace, self._delete = key, namespace, delete
+        self._verify, self._stats = verify, stats
+        self._groups = [g.group_id for g in layout.groups]
+        self._windows = {g.group_id: window_chunks(g, chunk_size) for g in layout.groups}
+        self._full = [g.group_id for g in layout.groups if g.kind is AttentionKind.FULL]
+        self._inflight: list = []  # prefetches not settled yet (lookup thread)
+        self._maybe_untrusted: Counter = Counter()  # keys an unsettled prefetch may load
+        self._bad: set = set()  # keys whose L2 copy failed verification
+        self._hung: list = []  # prefetches given up, their tasks still unanswered
+        self._hung_keys: Counter = Counter()  # what those may still bring up from L2
+        self._unverified: set = set()  # keys a given-up prefetch may bring up unverified
+
+    # -- what L1 may offer ------------------------------------------------------------
+    def resident(self, chain: Sequence[bytes]) -> dict[int, set[int]]:
+        """Per group id, the chunk indices whose object sits in L1 and may be offered
+        (not possibly brought up by an unverified prefetch, not known bad)."""
+        out = {}
+        for gid in self._groups:
+            keys = [self._key(h, gid) for h in chain]
+            present = self._tier.resident(gid, keys, self._layouts[gid], False)
+            if self._unverified:
+                self._check_unverified(gid, keys, present)
+            out[gid] = {i for i in present if keys[i] not in self._maybe_untrusted
+                        and keys[i] not in self._bad and keys[i] not in self._unverified}
+        return out
+
+    def withheld(self, keys) -> bool:
+        """Whether any of these keys may not be offered: a prefetch may still bring it
+        up, its L2 copy failed verification, or it awaits verification."""
+        return any(k in self._maybe_untrusted or k in self._bad or k in self._unverified
+                   for k in keys)
+
+    def is_bad(self, key) -> bool:
+        """Whether the key's L2 copy failed verification (never offered again)."""
+        return key in self._bad
+
+    def stored(self, keys) -> None:
+        """Fresh copies of these keys were written: they replace ones that failed or
+        awaited verification."""
+        self._bad.difference_update(keys)
+        self._unverified.difference_update(keys)
+
+    def left_l1(self, keys) -> None:
+        """Keys deleted from L1: a given-up prefetch still running may bring them back
+        from L2 unverified, so they are verified again before they are offered."""
+        if self._hung_keys:
+            self._unverified.update(k for k in keys if k in self._hung_keys)
+
+    def l1_cleared(self) -> None:
+        """L1 was emptied: everything a given-up prefetch may bring back is unverified."""
+        self.left_l1(list(self._hung_keys))
+
+    def reset(self) -> None:
+        """The store moved to a new generation: keys of the old one are never looked up
+        again, so none awaits verification."""
+        self._unverified.clear()
+
+    def counts(self) -> dict[str, int]:
+        """What it tracks, for health snapshots: prefetches in flight and given up, keys
+        withheld until a prefetch settles, known bad, awaiting verification."""
+        return {"inflight": len(self._inflight),
+                "untrusted": sum(self._maybe_untrusted.values()), "bad": len(self._bad),
+                "hung": len(self._hung), "unverified": len(self._unverified)}
 
     # -- reads: L2 --------------------------------------------------------------------
     def start_prefetch(self, chain: Sequence[bytes], start: int, limit: int) -> Prefetch:
@@ -70,8 +149,8 @@ class L2Reads:
         before each chunk end). Room is made first for the hit asked for (it may evict
         what a save of it could); without room nothing is asked."""
         p = _Prefetch(time.monotonic(), chain=tuple(chain), start=start, limit=limit,
-                      namespace=self.namespace)
-        asked = self._end(chain, limit, 1)
+                      namespace=self._namespace())
+        asked = hit_end(self._layout, self._chunk_size, chain, limit, HIGH)
         if not self._make_room(asked):
             p.finished = True
             return p
@@ -80,29 +159,32 @@ class L2Reads:
 
     def _make_room(self, asked: EndSpec) -> bool:
         """Room in L1 for what a prefetch of `asked` may bring up."""
-        ok, garbage = self.capacity.room(self._missing_bytes(asked), asked.key)
+        ok, garbage = self._capacity.room(self._missing_bytes(asked), asked.key)
         self._delete(garbage)
         return ok
 
     def _missing_bytes(self, asked: EndSpec) -> int:
-        return sum(self._bytes[cell[1]] for cell in asked.cells if cell not in self.capacity)
+        return sum(self._bytes[cell[1]] for cell in asked.cells
+                   if cell not in self._capacity)
 
     def fetch_bytes(self, chain: Sequence[bytes], start: int, limit: int) -> int:
         """Bytes of the objects a hit of `limit` tokens needs that L1 lacks."""
-        return self._missing_bytes(self._end(chain, limit, 1))
+        return self._missing_bytes(hit_end(self._layout, self._chunk_size, chain, limit,
+                                           HIGH))
 
     def _submit(self, p: _Prefetch, tasks) -> None:
-        planned = [(policy, [(gid, hs, [self.key(h, gid) for h in hs]) for gid, hs in rows])
+        planned = [(policy, [(gid, hs, [self._key(h, gid) for h in hs])
+                             for gid, hs in rows])
                    for rows, policy in tasks]
         keys = [k for _, rows in planned for _, _, ks in rows for k in ks]
         held = [ks[i] for _, rows in planned for gid, _, ks in rows
-                for i in self.tier.resident(gid, ks, self._layouts[gid], True)]
+                for i in self._tier.resident(gid, ks, self._layouts[gid], True)]
         before = set(held)
         p.held += held
         p.untrusted += [k for k in keys if k not in before]
         self._maybe_untrusted.update(k for k in keys if k not in before)
         for policy, rows in planned:
-            handle = self.tier.prefetch(
+            handle = self._tier.prefetch(
                 [(gid, ks, self._layouts[gid], self._windows[gid] if policy == "prefix"
                   else -1) for gid, _, ks in rows], policy)
             p.tasks.append((handle, rows))
@@ -124,7 +206,7 @@ class L2Reads:
         for p in self._inflight:
             for i, (handle, _) in enumerate(p.tasks):
                 if p.results[i] is None:
-                    p.results[i] = self.tier.prefetch_outcome(handle)
+                    p.results[i] = self._tier.prefetch_outcome(handle)
             if any(r is None for r in p.results):
                 if now - p.started > L2_TASK_LIMIT_S:
                     self._give_up(p)
@@ -152,9 +234,9 @@ class L2Reads:
         That is every key it asked for, those L1 held when it started too: LMCache may
         not have started it yet (8 run at once, more wait in its queue), so a held key
         evicted meanwhile is looked up and loaded from L2 when it does. Until its tasks
-        answer, a key of it that leaves L1 is marked again (`_left_l1`). Its tasks are
+        answer, a key of it that leaves L1 is marked again (`left_l1`). Its tasks are
         still polled: what they lock when they answer is unlocked then."""
-        self.tier.unlock(p.held)
+        self._tier.unlock(p.held)
         p.hung_keys = p.held + p.untrusted
         self._unverified.update(p.hung_keys)
         self._hung_keys.update(p.hung_keys)
@@ -162,17 +244,11 @@ class L2Reads:
         self._maybe_untrusted += Counter()
         p.held, p.untrusted, p.finished = [], [], True
         self._hung.append(p)
-        if self.stats is not None:
-            self.stats.add("hung_l2_prefetches", 1)
+        if self._stats is not None:
+            self._stats.add("hung_l2_prefetches", 1)
         logger.warning("gemma4-kv: an L2 prefetch did not answer within %.0f s (a stuck "
                        "tier or mount?): given up, its locks released; what it brings up "
                        "later is verified before use", L2_TASK_LIMIT_S)
-
-    def _left_l1(self, keys) -> None:
-        """Keys deleted from L1: a given-up prefetch still running may bring them back
-        from L2 unverified, so they are verified again before they are offered."""
-        if self._hung_keys:
-            self._unverified.update(k for k in keys if k in self._hung_keys)
 
     def _poll_hung(self) -> None:
         """Unlock what given-up prefetches locked, once their tasks answer at last."""
@@ -180,13 +256,13 @@ class L2Reads:
         for p in self._hung:
             for i, (handle, _) in enumerate(p.tasks):
                 if p.results[i] is None:
-                    p.results[i] = self.tier.prefetch_outcome(handle)
+                    p.results[i] = self._tier.prefetch_outcome(handle)
             if any(r is None for r in p.results):
                 still.append(p)
                 continue
-            self.tier.unlock([keys[i] for (_, rows), result in zip(p.tasks, p.results)
-                              for row, (_, _, keys) in enumerate(rows)
-                              for i in result.hit[row]])
+            self._tier.unlock([keys[i] for (_, rows), result in zip(p.tasks, p.results)
+                               for row, (_, _, keys) in enumerate(rows)
+                               for i in result.hit[row]])
             self._hung_keys.subtract(p.hung_keys)
             self._hung_keys += Counter()  # drop zero counts
         self._hung = still
@@ -198,11 +274,12 @@ class L2Reads:
         if not todo:
             return
         subset = [keys[i] for i in todo]
-        locked = [subset[i] for i in self.tier.resident(gid, subset, self._layouts[gid], True)]
+        locked = [subset[i]
+                  for i in self._tier.resident(gid, subset, self._layouts[gid], True)]
         try:
             verdict = {k: self._verified(k, k.chunk_hash, gid) for k in locked}
         finally:
-            self.tier.unlock(locked)
+            self._tier.unlock(locked)
         bad = [k for k, ok in verdict.items() if ok is False]
         self._unverified.difference_update(k for k, ok in verdict.items() if ok)
         if bad:
@@ -211,10 +288,10 @@ class L2Reads:
     def _drop_bad(self, bad: list) -> None:
         self._bad.update(bad)
         self._unverified.difference_update(bad)
-        self.tier.delete_everywhere(bad)
-        self.capacity.dropped([(k.chunk_hash, k.object_group_id) for k in bad])
-        if self.stats is not None:
-            self.stats.add("rejected_objects", len(bad))
+        self._tier.delete_everywhere(bad)
+        self._capacity.dropped([(k.chunk_hash, k.object_group_id) for k in bad])
+        if self._stats is not None:
+            self._stats.add("rejected_objects", len(bad))
         logger.warning("gemma4-kv: %d object(s) from an L2 tier failed verification "
                        "(corrupt, truncated or foreign): dropped, recomputed instead",
                        len(bad))
@@ -225,15 +302,15 @@ class L2Reads:
         and none of whose objects is known bad or was asked for in vain. Nothing if that
         hit is servable already."""
         resident = self.resident(p.chain)
-        c = self.chunk_size
+        c = self._chunk_size
         for end in sorted({p.limit} | set(range(c, p.limit, c)), reverse=True):
             if end <= p.start:
                 break
-            cells = hit_chunks(self.layout, p.start, end, c)
+            cells = hit_chunks(self._layout, p.start, end, c)
             if any(ch not in resident[g] for g, ch in cells if g in self._full):
                 continue
             keys = [(p.chain[ch], g) for g, ch in cells if ch not in resident[g]]
-            if any(k in p.asked or self.key(*k) in self._bad for k in keys):
+            if any(k in p.asked or self.is_bad(self._key(*k)) for k in keys):
                 continue
             return keys
         return []
@@ -260,15 +337,15 @@ class L2Reads:
                     if i not in hit and keys[i] not in held)
         more, stray_landed = self._verify_strays(strays)
         bad += more
-        if p.namespace == self.namespace:
+        if p.namespace == self._namespace():
             # Tracked from now on: the hit's objects are held for the lookup's pin (if
             # it still waits), what no hit needs is deleted (strays at once).
-            self.capacity.kept({**landed, **stray_landed})
+            self._capacity.kept({**landed, **stray_landed})
             if not p.done_with:
-                self.capacity.hold(p.owner, landed)
+                self._capacity.hold(p.owner, landed)
         p.loaded_bytes += sum(landed.values())
-        self.tier.unlock(locked)
-        self.tier.unlock(p.held)
+        self._tier.unlock(locked)
+        self._tier.unlock(p.held)
         if bad:
             p.rejected += len(bad)
             self._drop_bad(bad)
@@ -283,7 +360,7 @@ class L2Reads:
         bad, good = [], {}
         for gid, pairs in strays.items():
             keys = [k for k, _ in pairs]
-            held = self.tier.resident(gid, keys, self._layouts[gid], True)  # locked:
+            held = self._tier.resident(gid, keys, self._layouts[gid], True)  # locked:
             try:                                            # not deleted while we read
                 for i in held:
                     ok = self._verified(keys[i], pairs[i][1], gid)
@@ -292,16 +369,16 @@ class L2Reads:
                     elif ok is False:
                         bad.append(keys[i])
             finally:
-                self.tier.unlock([keys[i] for i in held])
+                self._tier.unlock([keys[i] for i in held])
         return bad, good
 
     def _verified(self, key, chunk_hash: bytes, gid: int) -> bool | None:
         """Whether the object in L1 matches its trailer; None if reading it raised (it is
         then verified again before it is ever offered: `_unverified`)."""
-        if not self.config.verify_checksums:
+        if not self._verify:
             return True
         try:
-            obj = self.tier.read([key]).get(key)
+            obj = self._tier.read([key]).get(key)
         except Exception as e:  # noqa: BLE001 - LMCache's read failed: not offered yet
             logger.warning("gemma4-kv: reading an object to verify it failed (%s); it is "
                            "not offered until it verifies", e)
@@ -315,4 +392,4 @@ class L2Reads:
         brought up and no hit holds goes."""
         if isinstance(prefetch, _Prefetch):
             prefetch.done_with = True
-            self._delete(self.capacity.finished(prefetch.owner))
+            self._delete(self._capacity.finished(prefetch.owner))
