@@ -27,7 +27,9 @@ import time
 
 import pytest
 
-from gemma4_kv.stores import lmcache as adapter
+pytest.importorskip("lmcache")
+
+from gemma4_kv.stores import lmcache as adapter  # noqa: E402
 
 HANG_S = 60.0
 """How long a test waits for something that should happen at once before calling it a
