@@ -16,15 +16,12 @@ import importlib.util
 import json
 import logging
 import os
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 SUPPORTED_VERSION = "0.5.6"
-
-logger = logging.getLogger(__name__)
 
 
 class UnsupportedLMCache(RuntimeError):
@@ -95,25 +92,6 @@ def l2_adapter_class(type_name: str):
 
 # -- the storage layer ------------------------------------------------------------------
 
-_closing: list[threading.Thread] = []
-"""Storage managers still closing in the background (`StorageLayer.close`)."""
-
-
-def wait_closed() -> None:
-    """Wait until every storage layer closed so far has finished closing."""
-    for thread in list(_closing):
-        thread.join()
-        if thread in _closing:
-            _closing.remove(thread)
-
-
-def _close(sm) -> None:
-    try:
-        sm.close()
-    except Exception:
-        logger.exception("gemma4-kv: closing LMCache's storage manager failed")
-
-
 @dataclass(frozen=True)
 class Stored:
     """One object read from L1: its KV tensor and integrity trailer, as laid out."""
@@ -144,10 +122,6 @@ class StorageLayer:
         from lmcache.v1.distributed import api, config as cfg
         from lmcache.v1.distributed.storage_manager import StorageManager
 
-        # LMCache's periodic notifier is one per process: a storage manager's close
-        # shuts it down, and creating one while another exists does nothing. A close
-        # still running would take the notifier of the manager made here.
-        wait_closed()
         self._api = api
         memory = cfg.L1MemoryManagerConfig(size_in_bytes=cpu_bytes, use_lazy=False,
                                            shm_name="")
@@ -249,22 +223,7 @@ class StorageLayer:
         self._sm.clear(force=False)
 
     def close(self) -> None:
-        """Close LMCache's storage manager in a background (daemon) thread and return.
-        Its close joins LMCache's two eviction threads, which sleep a whole second
-        between passes (`time.sleep(1)`, nothing wakes them): up to a second each, which
-        a worker spent at engine exit, where vLLM kills the EngineCore 5 s after asking
-        it to stop (then vLLM's shared-memory segment leaks). The close itself is
-        LMCache's, unchanged: prefetch and store threads stopped (their locks released;
-        L2 stores in flight are not waited for, as before), eviction threads joined, L2
-        adapters and L1 closed. A new layer waits for it (`wait_closed`); at process
-        exit nothing does, and the OS takes the memory back."""
-        sm, self._sm = self._sm, None
-        if sm is None:
-            return
-        thread = threading.Thread(target=_close, args=(sm,), daemon=True,
-                                  name="gemma4-kv-lmcache-close")
-        _closing.append(thread)
-        thread.start()
+        self._sm.close()
 
 
 # -- the client of a running `lmcache server` (engine-driven mode) ------------------------
