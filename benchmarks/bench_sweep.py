@@ -6,6 +6,7 @@ tier size is the one setting), beside no connector, in one run.
     python benchmarks/bench_sweep.py --out DIR [--config gemma4-12b-like] [--layers 12]
         [--fractions 0.4,0.6,0.8,1.0,1.5,3] [more bench_serving options ...]
     python benchmarks/bench_sweep.py --plot-only OUT.png DIR/sweep.json
+    python benchmarks/bench_sweep.py --merge DIR A/sweep.json B/sweep.json  # split runs
 
 The working set is `--docs` documents as OffloadingConnector keeps them: every
 full-attention token and the sliding window before the prompt's end
@@ -14,7 +15,10 @@ storing, `vllm:kv_offload_store_bytes`). Each tier size runs `bench_serving.py` 
 scenarios `loop` and `zipf` (one engine per system, emptied between the two). `--layers`
 keeps that many of the shape's layers (same groups, head sizes, window and 5:1 pattern:
 the same bytes per token per layer, so the same tier / working-set ratios) to fit the
-sweep in a GPU lease. Writes DIR/sweep.json, DIR/sweep.png and every point's own
+sweep in a GPU lease. Before the first point one short connector-free engine runs
+untimed (`--no-prime` skips it): on a fresh machine the first engine otherwise pays for
+vLLM's compile cache and every model kernel's first compile, and the system listed
+first looks slow at start-up and in its first rounds. Writes DIR/sweep.json, DIR/sweep.png and every point's own
 bench_serving output under DIR/f<fraction>/.
 """
 
@@ -41,6 +45,9 @@ def parse_args(argv):
     p.add_argument("--config", help="bundled model shape (bench_serving's default if unset)")
     p.add_argument("--docs", type=int, default=16)
     p.add_argument("--point-timeout", type=float, default=600.0)
+    p.add_argument("--no-none", action="store_true",
+                   help="no connector-free reference (a split run that already has one)")
+    p.add_argument("--no-prime", action="store_true", help="no untimed first engine")
     args, rest = p.parse_known_args(argv)
     args.fractions = [float(f) for f in args.fractions.split(",")]
     args.systems = [s for s in args.systems.split(",") if s]
@@ -78,6 +85,20 @@ def run_point(args, rest, out: Path, systems, cpu_gb: float) -> dict:
     summary = json.loads(path.read_text()) if path.exists() else {"systems": {}}
     summary["returncode"], summary["wall_s"] = proc.returncode, time.perf_counter() - t
     return summary
+
+
+def prime(args, rest, out: Path) -> None:
+    """One untimed connector-free engine over one document, so that compile caches and
+    first kernel compiles are not charged to whichever system runs first."""
+    cmd = [sys.executable, str(HERE / "bench_serving.py"), "--out", str(out),
+           *config_arg(args), "--systems", "none", "--scenarios", "fits", "--fits-docs", "1",
+           "--fits-rounds", "1", "--system-timeout", str(args.point_timeout), *rest]
+    print("== prime:", " ".join(cmd[1:]), flush=True)
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.point_timeout + 60)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "driver.log").write_text(proc.stdout + proc.stderr)
+    print(f"== prime: exit {proc.returncode} after {time.perf_counter() - t:.1f} s", flush=True)
 
 
 def warm(rounds: list[dict]) -> dict:
@@ -193,6 +214,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--plot-only"]:
         return 0 if plot(json.loads(Path(argv[2]).read_text()), argv[1]) else 1
+    if argv[:1] == ["--merge"]:
+        return merge(Path(argv[1]), [json.loads(Path(a).read_text()) for a in argv[2:]])
     args, rest = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -201,19 +224,40 @@ def main(argv=None) -> int:
                 docs=args.docs, fractions=args.fractions,
                 command="python benchmarks/bench_sweep.py " + " ".join(argv))
     rows = []
+    if not args.no_prime:
+        prime(args, rest, out / "prime")
     for i, f in enumerate(args.fractions):
-        systems = args.systems + (["none"] if i == 0 else [])  # none: one reference
+        reference = ["none"] if i == 0 and not args.no_none else []  # one reference
+        systems = args.systems + reference
         summary = run_point(args, rest, out / f"f{f:g}", systems, f * ws["bytes"] / GiB)
         meta.setdefault("gpu", summary.get("meta", {}).get("gpu"))
         rows += point_rows(f, summary)
         if summary["returncode"]:
             print(f"== point {f}: exit {summary['returncode']} (see {out}/f{f:g}/)")
-    sweep = dict(meta=meta, working_set_bytes=ws["bytes"], sizes=ws["sizes"], rows=rows,
-                 targets=targets(rows))
+    write(out, dict(meta=meta, working_set_bytes=ws["bytes"], sizes=ws["sizes"], rows=rows))
+    return 0
+
+
+def write(out: Path, sweep: dict) -> None:
+    sweep["targets"] = targets(sweep["rows"])
     (out / "sweep.json").write_text(json.dumps(sweep, indent=1))
     print_table(sweep)
     plot(sweep, str(out / "sweep.png"))
     print(f"wrote {out / 'sweep.json'}")
+
+
+def merge(out: Path, parts: list[dict]) -> int:
+    """One sweep from runs of the same shape split over device calls; each run's meta
+    is kept under `runs`."""
+    first = parts[0]
+    if any(p["working_set_bytes"] != first["working_set_bytes"] for p in parts):
+        print("these runs have different working sets: not one sweep")
+        return 1
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(first["meta"], runs=[p["meta"] for p in parts],
+                fractions=sorted({f for p in parts for f in p["meta"]["fractions"]}))
+    write(out, dict(meta=meta, working_set_bytes=first["working_set_bytes"],
+                    sizes=first["sizes"], rows=[r for p in parts for r in p["rows"]]))
     return 0
 
 

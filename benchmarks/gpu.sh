@@ -11,7 +11,8 @@
 #   sweep    tier sweep (bench_sweep.py): 12B-like shape with 12 of its 48 layers, 16 x
 #            8K-token documents, loop and Zipf orders, CPU tier 0.4-3x OffloadingConnector's
 #            working set; gemma4-kv and the OffloadingConnector at their defaults, no
-#            connector beside them
+#            connector beside them. Split over calls: SWEEP_FRACTIONS=0.4,0.6,0.8, then
+#            SWEEP_FRACTIONS=1.0,1.5,3 SWEEP_ARGS=--no-none, then bench_sweep.py --merge
 #   serving  bench_serving.py at the defaults (CPU tier 4 GiB, every connector setting
 #            left alone): fits and chat, none / gemma4-kv / OffloadingConnector, 12B-like
 #   exact    batch-invariant mode: first tokens of none and gemma4-kv agree (fits, chat)
@@ -57,6 +58,7 @@ part_e2e() {  # the GPU end-to-end cases and the default-numerics check
 }
 part_sweep() {
   timeout -k 20 "${1:-420}" python3 benchmarks/bench_sweep.py --out $R/sweep \
+    --fractions "${SWEEP_FRACTIONS:-0.4,0.6,0.8,1.0,1.5,3}" ${SWEEP_ARGS:-} \
     --config gemma4-12b-like --layers 12 --docs 16 --doc-len 8192 --question-len 48 \
     --kv-cache-gb 1 --batch 4 --max-tokens 4 --loop-rounds 3 --zipf-requests 48 \
     --warmup-docs 1 --settle-s 0.3 --point-timeout 150 > $R/sweep.log 2>&1
