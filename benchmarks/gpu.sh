@@ -30,6 +30,7 @@
 cd "$(dirname "$0")/.."
 source .gpu-vllm/env.sh || exit 1
 source benchmarks/gpu/project_env.sh
+export PYTHONUNBUFFERED=1  # a part killed at its time limit still leaves its log
 R=/tmp/results && mkdir -p $R
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   df -h /dev/shm; free -g; nproc; date -u; git log -1 --format=%H 2>/dev/null; } > $R/gpu.txt 2>&1
