@@ -38,9 +38,9 @@ many requests the scheduler half keeps state for)."""
 
 class FaultsConnector(Gemma4KVConnector):
     """The connector, with the scheduler's lookup pause after a failed rank shortened
-    (`scheduler.RANK_BACKOFF_S` is a module attribute it reads at each failure), and
-    each lookup's time in the scheduler recorded: how long a fault held vLLM's scheduler
-    up, measured where it happens rather than through TTFT."""
+    (`scheduler.RANK_BACKOFF_S` is a module attribute the scheduler half reads when it is
+    built), and each lookup's time in the scheduler recorded: how long a fault held
+    vLLM's scheduler up, measured where it happens rather than through TTFT."""
 
     def __init__(self, *args, **kwargs):
         scheduler.RANK_BACKOFF_S = RANK_BACKOFF_S

@@ -170,7 +170,7 @@ class SchedulerHalf:
         later one says the earlier ones are done)."""
         from gemma4_kv.lookup import messages
 
-        assert self.connector._scheduler.client.ask_all(messages.Release("sync")) == \
+        assert self.connector._scheduler.ranks.client.ask_all(messages.Release("sync")) == \
             [messages.Done(ok=True)] * len(self.services)
         return [s.pinned_requests() for s in self.services]
 

@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
 from gemma4_kv.layout.from_hf import hf_layout, load_text_config
 from gemma4_kv.layout.plan import (NULL_BLOCK, chunk_blocks, hit_ends, load_blocks,
-                                   needed_blocks, retained_chunks, save_blocks, servable_hits)
+                                   needed_blocks, retained_chunks, retention, save_blocks,
+                                   servable_hits)
 from model_keys import max_servable_hit
 
 
@@ -163,6 +164,23 @@ def test_servable_hits_lists_every_end_in_descending_order():
     hits = servable_hits(layout, 64, 8, lambda g, c: c in stored[g], limit=480)
     assert hits == [448, 192]  # windows [349, 448) and [93, 192) lie in stored chunks
     assert max_servable_hit(layout, 64, 8, lambda g, c: c in stored[g], limit=480) == 448
+
+
+def test_retention_of_a_prompt_by_hand():
+    """Chunk 64, blocks of 16, a sliding window of 40, hit ends every 128 tokens. A
+    256-token prompt asked again hits 240 (one token short, on a block boundary); with
+    a draft lookahead its last chunk's key needs token 256, so it hits 192. A hit at e
+    needs the sliding blocks from (e - 40 + 1) // 16: chunk 1 for 128, 2 for 192, 3 for
+    240 and 256."""
+    full = KVGroup(0, AttentionKind.FULL, None, 16, 1, 8, 8, torch.float16, ("f",))
+    slide = KVGroup(1, AttentionKind.SLIDING, 40, 16, 1, 8, 8, torch.float16, ("s",))
+    layout = KVLayout((full, slide))
+    plain = retention(layout, 64, 256, 128)
+    assert plain.ends == (128, 240, 256) and plain.main == {240, 256}
+    assert [plain.groups(c) for c in range(5)] == [(0,), (0, 1), (0,), (0, 1), (0, 1)]
+    drafts = retention(layout, 64, 256, 128, lookahead=1)
+    assert drafts.ends == (128, 192, 256) and drafts.main == {192, 256}
+    assert [drafts.groups(c) for c in range(4)] == [(0,), (0, 1), (0, 1), (0, 1)]
 
 
 def test_retention_stores_a_third_of_the_dense_bytes_of_a_31b_shape():

@@ -57,7 +57,7 @@ def test_the_release_the_fix_withholds_would_have_broken_the_load(half):
 
     r = half.request(PROMPT)
     _, meta = half.schedule(r)
-    half.connector._scheduler.client.ask_all(messages.Release(r.request_id, meta.loads[0].pin))
+    half.connector._scheduler.ranks.client.ask_all(messages.Release(r.request_id, meta.loads[0].pin))
     with pytest.raises(RuntimeError, match=f"rank 0 did not pin the hit of {r.request_id}"):
         half.work(meta)
     half.finish(r)

@@ -10,7 +10,7 @@ become the null block 0).
 
 Retention: a sliding group's objects are useful only where a hit can end, so they are
 stored only for the chunks in the window before a request's planned hit ends
-(`retained_chunks`); full-attention groups store every chunk.
+(`retained_chunks`, `retention`); full-attention groups store every chunk.
 """
 
 from __future__ import annotations
@@ -132,6 +132,42 @@ def retained_chunks(group: KVGroup, chunk_size: int, ends: Sequence[int]) -> set
     if group.kind is AttentionKind.FULL:
         return set(range(max(ends, default=0) // chunk_size))
     return {c for e in ends for c in needed_chunks(group, 0, e, chunk_size)}
+
+
+@dataclass(frozen=True)
+class Retention:
+    """What the saves of one prompt keep (`retention`): every chunk of full-attention
+    groups; a sliding group's only in the windows before the prompt's hit ends; every
+    group's for generated tokens, whose end is open."""
+
+    ends: tuple[int, ...]
+    """Where the prompt's stored chunks serve hits (`hit_ends`), ascending."""
+    main: frozenset[int]
+    """The ends a whole prompt's hit stops at: its last full chunk and the hit of the
+    same prompt asked again. The others are kept only so that a hit can stop there (a
+    store that ranks ends evicts them first)."""
+    prompt_chunks: int
+    kept: tuple[tuple[int, frozenset[int] | None], ...]
+    """(group id, its prompt chunks to store) per group; None: every chunk."""
+
+    def groups(self, chunk: int) -> tuple[int, ...]:
+        """The groups to store chunk `chunk` for."""
+        if chunk >= self.prompt_chunks:
+            return tuple(g for g, _ in self.kept)
+        return tuple(g for g, chunks in self.kept if chunks is None or chunk in chunks)
+
+
+def retention(layout: KVLayout, chunk_size: int, prompt_len: int, interval: int,
+              lookahead: int = 0) -> Retention:
+    """The retention of a prompt of `prompt_len` tokens: hit ends every `interval`
+    tokens (`hit_ends`), with `lookahead` tokens past a chunk in its key (drafts)."""
+    m, c = layout.chunk_multiple, chunk_size
+    last = prompt_len // c * c
+    again = min((prompt_len - lookahead) // c * c, (prompt_len - 1) // m * m)
+    ends = hit_ends(last // c, c, again, interval)
+    kept = tuple((g.group_id, None if g.kind is AttentionKind.FULL
+                  else frozenset(retained_chunks(g, c, ends))) for g in layout.groups)
+    return Retention(tuple(ends), frozenset({last, again}), last // c, kept)
 
 
 @dataclass(frozen=True)

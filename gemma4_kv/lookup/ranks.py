@@ -4,8 +4,13 @@ and every rank pins exactly that (`Repin`) or nothing."""
 
 from __future__ import annotations
 
+import logging
+import time
+
 from . import messages
 from .channel import LookupClient
+
+logger = logging.getLogger(__name__)
 
 
 class RanksDown(Exception):
@@ -36,3 +41,43 @@ def lookup_all_ranks(client: LookupClient, lookup: messages.Lookup) -> tuple[int
             client.ask_all(release)
             return 0, 0
     return hit, replies[0].from_l2
+
+
+class RankLookups:
+    """The scheduler's lookups on every rank, which never stall it: a rank that has not
+    answered within `timeout_s` makes that lookup a miss, and after `down_after`
+    unanswered lookups in a row none is asked for `backoff_s` (a dead rank pauses
+    lookups; one slow answer pauses nothing)."""
+
+    def __init__(self, addresses: list[str], stats, *, timeout_s: float, down_after: int,
+                 backoff_s: float):
+        self.client = LookupClient(addresses, timeout_ms=int(timeout_s * 1000))
+        self.stats, self.timeout_s = stats, timeout_s
+        self.down_after, self.backoff_s = down_after, backoff_s
+        self._down_until = 0.0
+        self._unanswered = 0  # lookups in a row a rank did not answer
+
+    def paused(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def lookup(self, lookup: messages.Lookup) -> tuple[int | None, int]:
+        """`lookup_all_ranks`, or (0, 0) if a rank did not answer: the other ranks then
+        drop the lookup's pins, told without waiting (the rank that did not answer
+        would hold the scheduler again)."""
+        try:
+            out = lookup_all_ranks(self.client, lookup)
+        except RanksDown:
+            self._unanswered += 1
+            self.stats.add("lookups_unanswered", 1)
+            if self._unanswered >= self.down_after:
+                logger.warning("gemma4-kv: a worker rank did not answer %d lookups in a "
+                               "row; no lookups for %.0f s", self._unanswered, self.backoff_s)
+                self._down_until = time.monotonic() + self.backoff_s
+                self._unanswered = 0
+            else:
+                logger.warning("gemma4-kv: a worker rank did not answer a lookup within "
+                               "%.0f s: a miss", self.timeout_s)
+            self.client.tell_all(messages.Release(lookup.req_id, lookup.pin))
+            return 0, 0
+        self._unanswered = 0
+        return out

@@ -1,0 +1,85 @@
+"""Builds the worker half's parts once its KV caches exist, as vLLM's
+`OffloadingSpec.get_worker` does for its connector: host checks, the store under this
+rank's fingerprint, staging, kernel warm-up, the data movement and the lookup service.
+`ConnectorWorker` wires what `build_worker` returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config.host_checks import check_host_resources, check_tiers_reachable
+from ..config.settings import ConnectorSettings, SettingsError
+from ..keys.engine import StoreFingerprint, store_fingerprint
+from ..layout.groups import KVLayout, from_vllm
+from ..lookup.service import LookupService
+from ..lookup.wait import Rates
+from ..stores.base import ChunkStore
+from ..stores.factory import StoreUnavailable, open_store
+from ..stores.lmcache import set_log_level
+from ..transfer.loads import Loads
+from ..transfer.saves import Saves
+from ..transfer.staging import StagingPool
+from ..transfer.step_timer import StepTimer
+from ..transfer.streams import Transfer
+from ..transfer.warmup import warm_up
+from .metrics import StatsFile
+
+
+@dataclass
+class WorkerParts:
+    layout: KVLayout
+    """The groups, as the real KV tensors lay them out."""
+    rank: int
+    fingerprint: StoreFingerprint
+    store: ChunkStore
+    lookups: LookupService
+    loads: Loads
+    saves: Saves
+    steps: StepTimer
+
+
+def build_worker(vllm_config, kv_cache_config, settings: ConnectorSettings,
+                 kv_caches: dict[str, torch.Tensor], stats) -> WorkerParts:
+    """The parts of this tensor-parallel rank. Raises `SettingsError` where the settings
+    do not fit the host or the configured server cannot be used."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
+
+    world = vllm_config.parallel_config.tensor_parallel_size
+    # Host checks before anything is allocated; every rank checks before any pins its
+    # share of cpu_gb (else a late rank sees the others' memory as taken).
+    check_host_resources(settings, ranks=world)
+    check_tiers_reachable(settings)
+    if world > 1:
+        get_tp_group().barrier()
+    set_log_level(settings.lmcache_log_level)
+    layout = from_vllm(kv_cache_config, kv_caches)
+    caches = {g.group_id: [kv_caches[n] for n in g.layers] for g in layout.groups}
+    device = next(iter(kv_caches.values())).device
+    rank = get_tensor_model_parallel_rank()
+    fp = store_fingerprint(vllm_config, layout, kv_cache_layout=kv_cache_config.kv_cache_layout,
+                           device=device, chunk_size=settings.chunk_size, tp_rank=rank,
+                           tp_size=world, model_id=settings.model_id,
+                           weights_id=settings.weights_id)
+    try:
+        store = open_store(settings.store_config(ranks=world), layout, fp.name,
+                           settings.chunk_size, kv_rank=rank, device=device, stats=stats)
+    except StoreUnavailable as e:
+        raise SettingsError(f'gemma4-kv: kv_connector_extra_config["lmcache_server"] '
+                            f"cannot be used: {e}; fix: start the README's `lmcache "
+                            "server` command line (LMCache 0.5.6, on this host) or "
+                            "remove the key") from None
+    transfer = Transfer(device, settings.num_programs)
+    pool = StagingPool(settings.staging_mb << 20, device) if transfer.cuda else None
+    record = StatsFile(settings.stats_file, layout, rank)
+    record.layout_event(fp.name)
+    warm_up(transfer, layout, caches, settings.chunk_size, pool)
+    rates = Rates()
+    lookups = LookupService(store, layout, settings.chunk_size, settings.lookup_timeout_s,
+                            stats, record, rates)
+    return WorkerParts(
+        layout, rank, fp, store, lookups,
+        Loads(layout, caches, transfer, lookups, settings.chunk_size, stats, record, rank),
+        Saves(store, layout, caches, transfer, pool, settings.chunk_size, stats, record),
+        StepTimer(transfer.cuda, rates.prefill))
