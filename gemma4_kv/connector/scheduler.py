@@ -33,7 +33,6 @@ from ..lookup.channel import LookupClient
 from ..lookup.ranks import RanksDown, lookup_all_ranks
 from ..lookup.sockets import socket_address
 from ..stores.base import HIGH, LOW, ChunkWrite
-from ..stores.factory import capabilities
 from ..transfer.jobs import FinishJob, LoadJob, SaveJob
 from .metadata import Gemma4KVMetadata
 from .metrics import Gemma4KVStats
@@ -91,9 +90,10 @@ class ConnectorScheduler:
         self.chunk_size = settings.chunk_size
         check_chunk_size(self.layout, self.chunk_size)
         self.settings = settings
+        store = settings.store_config().capabilities
         # A store that cannot serve hits ending among generated tokens stores none.
-        self.save_generated = settings.save_decode_tokens and capabilities(
-            settings.store_config()).stores_generated
+        self.save_generated = settings.save_decode_tokens and store.stores_generated
+        self.ranks_hit_ends = store.ranks_hit_ends
         for g in self.layout.groups:
             if g.window is not None and g.window < self.chunk_size:
                 logger.warning(
@@ -275,8 +275,10 @@ class ConnectorScheduler:
             ends = list(self._ends(st))
             if done > st.prompt_len // self.chunk_size:  # a generated chunk ends here
                 ends.append((done * self.chunk_size, HIGH))
-            meta.saves.append(SaveJob(ChunkWrite(req_id, chain, st.next_chunk, groups, ends),
-                                      block_ids))
+            low = frozenset(e for e, c in ends if c == LOW) if self.ranks_hit_ends \
+                else frozenset()
+            write = ChunkWrite(req_id, chain, st.next_chunk, groups, [e for e, _ in ends], low)
+            meta.saves.append(SaveJob(write, block_ids))
             st.stored += [()] * (st.next_chunk - len(st.stored)) + groups
             st.next_chunk = done
         return meta
