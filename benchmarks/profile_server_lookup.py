@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     from gemma4_kv.lookup.service import LookupService
     from gemma4_kv.lookup.channel import LookupServer
     from gemma4_kv.layout import integrity
-    from gemma4_kv.stores.base import HIGH, ChunkWrite
+    from gemma4_kv.stores.base import ChunkWrite
     from gemma4_kv.stores.server import ServerStore
     from gemma4_kv.tools.harness import tiny_gemma4_config
     import hashlib
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
             chains.append(chain)
             res = store.reserve(ChunkWrite("w", chain, 0,
                                            [tuple(g.group_id for g in layout.groups)]
-                                           * len(chain), [(limit, HIGH)]))
+                                           * len(chain), [limit]))
             for (_h, _g), (kv, trailer, key) in res.objects.items():
                 kv.copy_(torch.randn(kv.shape, dtype=kv.dtype))
                 integrity.seal(kv, trailer, key)

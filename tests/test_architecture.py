@@ -6,6 +6,8 @@ attribute or method that only another class defines."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gemma4_kv"
@@ -81,6 +83,54 @@ def test_the_check_sees_an_upward_import():
              if layer(m) is not None and layer(m) > layer("gemma4_kv.stores.made_up")]
     assert found == ["gemma4_kv.connector.metadata",
                      "gemma4_kv.connector.metadata.Gemma4KVMetadata"]
+
+
+STORE_SEAMS = {"gemma4_kv.stores.config", "gemma4_kv.stores.lmcache"}
+"""What of `stores/` the settings may import: the store configs with their capabilities,
+and the LMCache adapter (which knows what an L2 adapter spec may hold), never a store's
+implementation."""
+
+
+def reaches_into_stores(modules: dict[str, ast.Module]) -> list[str]:
+    """`module:line imports x` wherever a `config/` module imports a `stores/` module
+    other than `STORE_SEAMS`."""
+    return [f"{n}:{line} imports {mod}" for n, tree in modules.items()
+            if n.startswith("gemma4_kv.config")
+            for mod, line in imports(n, tree)
+            if mod.startswith("gemma4_kv.stores.") and mod not in STORE_SEAMS
+            and mod.rsplit(".", 1)[0] not in STORE_SEAMS]
+
+
+def test_config_reads_stores_only_through_their_seams():
+    problems = reaches_into_stores(MODULES)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_check_sees_config_reaching_into_a_store():
+    """Negative control: a made-up settings module importing the embedded store's module
+    (as `config/settings.py` once did for `StoreConfig`) is reported; one importing the
+    seams is not."""
+    tree = ast.parse("from ..stores.embedded import StoreConfig\n"
+                     "from ..stores.config import ServerConfig\n"
+                     "from ..stores import lmcache\n")
+    assert reaches_into_stores({"gemma4_kv.config.made_up": tree}) == [
+        "gemma4_kv.config.made_up:1 imports gemma4_kv.stores.embedded",
+        "gemma4_kv.config.made_up:1 imports gemma4_kv.stores.embedded.StoreConfig"]
+
+
+def _imports_torch(module: str) -> bool:
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=PACKAGE.parent)
+    return out.stdout.strip() == "True"
+
+
+def test_store_configs_import_without_torch():
+    """The scheduler half and the settings read a store's config and capabilities without
+    opening a store: that module (and the interface it names) needs no torch. Negative
+    control: the embedded store's module does."""
+    assert not _imports_torch("gemma4_kv.stores.config")
+    assert _imports_torch("gemma4_kv.stores.embedded")
 
 
 def test_lmcache_is_imported_by_the_adapter_only():

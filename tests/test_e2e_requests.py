@@ -368,8 +368,9 @@ def test_lmcache_log_level_is_what_silences_its_per_lookup_lines():
     import logging
 
     from gemma4_kv.layout import integrity
-    from gemma4_kv.stores.base import HIGH, ChunkWrite
-    from gemma4_kv.stores.embedded import EmbeddedStore, StoreConfig
+    from gemma4_kv.stores.base import ChunkWrite
+    from gemma4_kv.stores.config import StoreConfig
+    from gemma4_kv.stores.embedded import EmbeddedStore
     from gemma4_kv.stores.lmcache import set_log_level
 
     layout = hf_layout(tiny_gemma4_config(window=100), dtype=torch.float32, block_size=BLOCK)
@@ -390,7 +391,7 @@ def test_lmcache_log_level_is_what_silences_its_per_lookup_lines():
     try:
         h = chunk_hashes(P, CHUNK)[:1]
         res = store.reserve(ChunkWrite("log", h, 0, [tuple(g.group_id for g in layout.groups)],
-                                       [(CHUNK, HIGH)]))
+                                       [CHUNK]))
         for kv, trailer, key in res.objects.values():
             kv.zero_()
             integrity.seal(kv, trailer, key)

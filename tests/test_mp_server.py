@@ -26,7 +26,7 @@ from gemma4_kv.keys.engine import fingerprint
 from model_keys import chunk_hashes
 from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
 from gemma4_kv.layout.plan import hit_chunks
-from gemma4_kv.stores.base import HIGH, LOW, ChunkWrite
+from gemma4_kv.stores.base import ChunkWrite
 from gemma4_kv.connector.metrics import Gemma4KVStats
 from gemma4_kv.config.host_checks import check_tiers_reachable
 from gemma4_kv.config.settings import ConnectorSettings, SettingsError
@@ -79,7 +79,7 @@ def put(store: ServerStore, seed: int, chunks: int, groups=(0, 1, 2), seal: bool
     group). Sliding groups keep only the windows before the ends: by hand, group 0
     (window 128) needs the two chunks before an end, group 1 (window 256) the four."""
     hashes = chunk_hashes(tokens_of(seed, chunks), CHUNK)
-    ends = [(chunks * CHUNK, HIGH)] if ends is None else ends
+    ends = [chunks * CHUNK] if ends is None else ends
     res = store.reserve(ChunkWrite("put", hashes, 0, [groups] * chunks, ends))
     index = {h: i for i, h in enumerate(hashes)}
     for (h, g), (kv, trailer, key) in res.objects.items():
@@ -312,7 +312,7 @@ def test_only_the_windows_hits_can_use_are_stored_and_each_end_hits(server):
     tokens hits 256 from the other window."""
     store = open_store(server.url, retention_interval=256)
     try:
-        stored = put(store, 21, 8, ends=[(256, LOW), (512, HIGH)])
+        stored = put(store, 21, 8, ends=[256, 512])
         assert stored == sorted([(c, 0) for c in (2, 3, 6, 7)] + [(c, g) for c in range(8)
                                                                   for g in (1, 2)])
         assert len(stored) == 20
@@ -340,7 +340,7 @@ def test_an_end_whose_window_a_later_one_overlaps_is_not_stored_twice(server):
     server, 192 can, and no object is stored twice: 3 + 3 + 3 = 9 objects."""
     store = open_store(server.url, retention_interval=64)
     try:
-        assert len(put(store, 23, 3, ends=[(128, LOW), (192, HIGH)])) == 9
+        assert len(put(store, 23, 3, ends=[128, 192])) == 9
         hashes = chunk_hashes(tokens_of(23, 3), CHUNK)
         assert lookup(store, hashes, keep=False) == {0: {1, 2}, 1: {0, 1, 2},
                                                      2: {0, 1, 2}}
@@ -385,7 +385,7 @@ def test_presence_is_a_prefix_on_lmcache_056(server):
     store = open_store(server.url)
     try:
         hashes = chunk_hashes(tokens_of(4, 3), CHUNK)
-        res = store.reserve(ChunkWrite("gap", hashes, 1, [(0, 1, 2)] * 2, [(192, HIGH)]))
+        res = store.reserve(ChunkWrite("gap", hashes, 1, [(0, 1, 2)] * 2, [192]))
         assert sorted(res.objects) == sorted((h, g) for h in hashes[1:] for g in range(3))
         for (h, g), (kv, trailer, key) in res.objects.items():
             integrity.seal(kv, trailer, key)
@@ -437,7 +437,7 @@ def crash_while_writing(url: str, seed: int) -> ServerStore:
     only and died: the server's reaper commits all 6 objects (chunk 1's are bad)."""
     crashed = open_store(url)
     hashes = chunk_hashes(tokens_of(seed, 2), CHUNK)
-    res = crashed.reserve(ChunkWrite("crashed", hashes, 0, [(0, 1, 2)] * 2, [(128, HIGH)]))
+    res = crashed.reserve(ChunkWrite("crashed", hashes, 0, [(0, 1, 2)] * 2, [128]))
     assert len(res.objects) == 6
     for (h, g), (kv, trailer, key) in res.objects.items():
         kv.copy_(payload((hashes.index(h), g), kv, seed))  # never committed
@@ -490,7 +490,7 @@ def test_reset_during_a_load_keeps_the_loads_locks(server):
                            bits(payload((1, 2), held.views[(hashes[1], 2)], 11)))
         store.release(held)
         assert store.flush(10)
-        assert store.has_l2  # every release call was answered
+        assert store.slow_tier_up()  # every release call was answered
         assert server.locks() == (0, 0, sessions)
         registered = set(server.status()["registered_non_cuda_instance_ids"])
         assert not old_ids & registered  # unregistered once nothing read in them
@@ -545,10 +545,10 @@ def test_a_dead_servers_l1_is_unmapped_once_nothing_reads_it():
             epoch = store.conn.epoch
             s.restart()
             deadline = time.monotonic() + RECOVERY_BOUND
-            while (store.conn.epoch == epoch or not store.has_l2) \
+            while (store.conn.epoch == epoch or not store.slow_tier_up()) \
                     and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert store.conn.epoch == epoch + 1 and store.has_l2
+            assert store.conn.epoch == epoch + 1 and store.slow_tier_up()
             # the first restart's old segment is still read by `held`
             assert len(_mapped_segments(s.shm)) == (2 if held is not None else 1), restart
             if held is not None:
@@ -595,11 +595,11 @@ def test_a_release_does_not_wait_for_the_servers_answers(server):
                 assert time.monotonic() < deadline
                 time.sleep(0.002)
             store.release(pinned)
-            assert store.has_l2  # nothing waited for the stopped server
+            assert store.slow_tier_up()  # nothing waited for the stopped server
             assert not store.flush(0)  # its answers are owed
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
-        assert store.flush(10) and store.has_l2
+        assert store.flush(10) and store.slow_tier_up()
         assert server.locks() == (0, 0, sessions)
     finally:
         store.close()
@@ -645,7 +645,7 @@ def test_a_save_after_a_hit_does_not_ask_for_what_the_hit_found(server):
                 assert time.monotonic() < deadline
                 time.sleep(0.002)
             res = store.reserve(ChunkWrite("after-hit", hashes, 1, [(0, 1, 2)]))
-            assert res.objects == {} and store.has_l2  # the server was not asked
+            assert res.objects == {} and store.slow_tier_up()  # the server was not asked
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
         store.release(pinned)
@@ -691,22 +691,22 @@ def test_zzz_killed_server_fails_fast_and_a_restarted_one_is_used_again(server):
         assert store.resident(hashes) == NONE
         assert store.pin(hashes, 0, 64) is None
         assert store.reserve(ChunkWrite("down", hashes, 0, [(0, 1, 2)] * 2)).objects == {}
-        assert not store.has_l2  # lookups are answered from nothing, without asking
+        assert not store.slow_tier_up()  # lookups are answered from nothing, without asking
         # Fails fast: at most the lookup waited out the timeout (none if the heartbeat's
         # ping found the server gone first); every call after it failed at once.
         assert store.conn.waited_out - waited <= 1, store.conn.waited_out - waited
         s.restart()  # a new process: new L1 segment, no registrations
         deadline = time.monotonic() + RECOVERY_BOUND
-        while not store.has_l2 and time.monotonic() < deadline:
+        while not store.slow_tier_up() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert store.has_l2
+        assert store.slow_tier_up()
         # The load in flight read our mapping of the dead server's segment; giving it
         # back asks nothing of the new server (it knows none of it).
         assert torch.equal(bits(held.views[(hashes[1], 2)]),
                            bits(payload((1, 2), held.views[(hashes[1], 2)], 8)))
         store.release(held)
         assert store.flush(10)
-        assert store.has_l2
+        assert store.slow_tier_up()
         assert lookup(store, hashes) == NONE  # the old server's objects went with it
         assert put(store, 8, 2) == [(c, g) for c in range(2) for g in range(3)]
         reader = open_store(s.url)

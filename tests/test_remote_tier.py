@@ -27,7 +27,8 @@ from model_keys import chunk_hashes
 from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
 from gemma4_kv.layout.plan import hit_chunks
 from gemma4_kv.stores.base import HIGH, LOW, Prefetch
-from gemma4_kv.stores.embedded import EmbeddedStore, StoreConfig
+from gemma4_kv.stores.config import StoreConfig
+from gemma4_kv.stores.embedded import EmbeddedStore
 from paged import bits
 from test_store import evict, put as store_chunks
 from tier_servers import TierServer, require_server, tier_server  # noqa: F401  (fixture)

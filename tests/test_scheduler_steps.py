@@ -235,6 +235,28 @@ def test_a_hit_never_ends_inside_an_image(half):
     assert half.pinned() == NONE
 
 
+def test_a_save_names_low_ends_only_for_a_store_that_ranks_them(half):
+    """A prompt of 1100 tokens (chunk 256, retention 512) serves hits ending at 512
+    (LOW: kept only so that a hit can stop there) and 1024 (HIGH: its last full chunk,
+    which is also where the same prompt asked again stops: 1099 tokens down to a
+    chunk). The embedded store ranks by class, so the save names 512 as LOW. Negative
+    control: for a store that does not rank (the server's capabilities) none is named."""
+    scheduler = half.connector._scheduler
+    assert scheduler.ranks_hit_ends  # the embedded store's capability
+    for shift, ranks, low in ((7, True, {512}), (8, False, set())):
+        scheduler.ranks_hit_ends = ranks
+        try:
+            r = half.request([t + shift for t in PROMPT])
+            hit, meta = half.schedule(r)
+        finally:
+            scheduler.ranks_hit_ends = True
+        (save,) = meta.saves
+        assert hit == 0 and sorted(save.write.ends) == [512, 1024] and save.write.low == low
+        half.work(meta)
+        half.finish(r)
+    assert half.pinned() == NONE
+
+
 def test_cut_before_by_hand():
     from gemma4_kv.layout.plan import cut_before
 

@@ -15,7 +15,8 @@ from gemma4_kv.keys.engine import fingerprint
 from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
 from gemma4_kv.layout import integrity
 from gemma4_kv.stores.base import HIGH, LOW, ChunkWrite
-from gemma4_kv.stores.embedded import EmbeddedStore, StoreConfig
+from gemma4_kv.stores.config import StoreConfig
+from gemma4_kv.stores.embedded import EmbeddedStore
 from model_keys import chunk_hashes
 from paged import bits, random_bits
 
@@ -39,13 +40,20 @@ def store():
     s.close()
 
 
+def write(req, chain, first, groups, ends) -> ChunkWrite:
+    """A save's write, its hit `ends` given as (tokens, HIGH or LOW) as the scheduler
+    plans them for a store that ranks by them."""
+    return ChunkWrite(req, list(chain), first, groups, [t for t, _ in ends],
+                      frozenset(t for t, cls in ends if cls == LOW))
+
+
 def put(store, chain, gen, groups=GROUPS, first=0, ends=None, req="r", finish=True):
     """Store chunks as a request's saves do: reserve, fill, seal, commit, and (with
     `finish`) the request ends. By default the chunks serve one HIGH hit at the chain's
     end."""
     n = len(chain) - first
     ends = [(len(chain) * store.chunk_size, HIGH)] if ends is None else ends
-    res = store.reserve(ChunkWrite(req, list(chain), first, [groups] * n, ends))
+    res = store.reserve(write(req, chain, first, [groups] * n, ends))
     data = {}
     for (h, g), (kv, trailer, key) in res.objects.items():
         data[(h, g)] = random_bits(kv.shape, kv.dtype, generator=gen)
@@ -76,7 +84,7 @@ def test_round_trip_is_bit_exact(store):
     for k, view in pinned.views.items():
         assert torch.equal(bits(view), bits(written[k]))
     store.release(pinned)
-    again = store.reserve(ChunkWrite("r2", chain, 0, [GROUPS] * 3, [(96, HIGH)]))
+    again = store.reserve(write("r2", chain, 0, [GROUPS] * 3, [(96, HIGH)]))
     assert again.objects == {}  # stored already: nothing to write
 
 
@@ -87,7 +95,7 @@ def test_partial_groups_and_uncommitted_chunks(store):
     assert store.resident([a]) == {0: set(), 1: {0}}
     assert store.pin([a], 0, CHUNK) is None
     used = store.usage()[0]
-    res = store.reserve(ChunkWrite("r2", [a, b], 1, [GROUPS], [(2 * CHUNK, HIGH)]))
+    res = store.reserve(write("r2", [a, b], 1, [GROUPS], [(2 * CHUNK, HIGH)]))
     assert set(res.objects) == {(b, 0), (b, 1)}
     assert store.resident([a, b]) == {0: set(), 1: {0}}  # invisible until committed
     store.abort(res)
@@ -219,7 +227,7 @@ def test_a_loop_keeps_as_many_documents_as_their_bytes_allow():
                     wide.release(pinned)
                     continue
                 for first in (0, 4):
-                    wide.commit(wide.reserve(ChunkWrite(f"r{n}", chain, first,
+                    wide.commit(wide.reserve(write(f"r{n}", chain, first,
                                                         [(0, 1, 2)] * 4, ends)))
                 wide.on_request_finished(f"r{n}")
             hits.append(row)
@@ -234,7 +242,7 @@ def test_an_aborted_prefill_leaves_nothing_behind(store):
     gen = torch.Generator().manual_seed(6)
     chain = chunk_hashes(list(range(4 * CHUNK)), CHUNK)
     ends = [(4 * CHUNK, HIGH)]
-    res = store.reserve(ChunkWrite("r", chain, 0, [GROUPS] * 2, ends))  # chunks 0-1
+    res = store.reserve(write("r", chain, 0, [GROUPS] * 2, ends))  # chunks 0-1
     for (h, g), (kv, trailer, key) in res.objects.items():
         kv.copy_(random_bits(kv.shape, kv.dtype, generator=gen))
         integrity.seal(kv, trailer, key)

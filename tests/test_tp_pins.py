@@ -21,7 +21,8 @@ from gemma4_kv.lookup.service import LookupService
 from gemma4_kv.layout.plan import hit_chunks
 from gemma4_kv.lookup.ranks import lookup_all_ranks
 from gemma4_kv.stores.base import HIGH, LOW
-from gemma4_kv.stores.embedded import EmbeddedStore, StoreConfig
+from gemma4_kv.stores.config import StoreConfig
+from gemma4_kv.stores.embedded import EmbeddedStore
 from test_store import put
 
 CHUNK = 64

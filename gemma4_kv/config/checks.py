@@ -8,7 +8,6 @@ are checked by LMCache's own `lmcache server --l2-adapter` parser (`stores.lmcac
 from __future__ import annotations
 
 import copy
-import difflib
 import json
 import math
 import os
@@ -185,17 +184,10 @@ def server_url(v):
                "listens on)", 'write e.g. "tcp://127.0.0.1:5555"')
 
 
-# -- l2_adapters: each one checked by LMCache's own `lmcache server --l2-adapter` parser --
+# -- l2_adapters: each spec checked by `stores.lmcache` (LMCache's own parser) ----------
 
 _EXAMPLE = '[{"type": "valkey", "startup_nodes": "redis.local:6379", "request_timeout": 0.5}]'
-_RESP_REFUSED = (
-    "LMCache 0.5.6's resp adapter never reconnects after a server restart and keeps only "
-    "one group of each chunk for models whose groups differ in object size")
-_ONE_TENSOR_SERDES = ("fp8", "turboquant")
-"""LMCache 0.5.6 serdes whose serializer reads an object as one tensor: on our objects
-(KV and checksum trailer) it raises, so every store into that tier fails."""
 _SECRET = re.compile(r"pass|secret|token|credential|auth", re.I)
-_GENERIC_BOOLS = ("shared", "persist_enabled")  # read with bool() by LMCache: "false" is True
 
 
 def redacted(spec):
@@ -207,113 +199,17 @@ def redacted(spec):
     return spec
 
 
-def _non_finite(v, path: str = "") -> str | None:
-    """Where inside `v` a NaN or infinity sits (LMCache's range checks let them through)."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return path
-    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
-    for k, x in items:
-        found = _non_finite(x, f"{path}[{json_text(k)}]")
-        if found is not None:
-            return found
-    return None
-
-
-def adapter_class(type_name: str):
-    """LMCache's config class for an adapter type, or Bad saying why there is none."""
-    try:
-        return lmcache.l2_adapter_class(type_name)
-    except ImportError as e:
-        raise Bad(f'(type "{type_name}") cannot be used here: LMCache\'s adapter module '
-                  f"fails to import ({e})",
-                  f"install what it needs (pip install {e.name or 'the missing package'})"
-                  " or remove this adapter") from None
-    except ValueError:
-        pass
-    known = [t for t in lmcache.l2_adapter_types() if t != "resp"]
-    close = ["valkey"] if type_name.lower() == "redis" else \
-        difflib.get_close_matches(type_name, known, n=2, cutoff=0.6)
-    hint = f'did you mean "{close[0]}"? ' if close else ""
-    raise Bad(f'has an adapter type LMCache does not know: "{type_name}"',
-              f"{hint}types available here: {', '.join(known)}")
-
-
-def lmcache_parse(spec: dict, type_name: str, config_cls):
-    """LMCache's parsed config of one adapter (the `lmcache server --l2-adapter` parser)."""
-    quiet = lmcache.l2_logger()
-    was, quiet.disabled = quiet.disabled, True  # it logs the error and help; we raise them
-    try:
-        return lmcache.parse_l2_adapters([spec]).adapters[0]
-    except Exception as e:  # LMCache raises ValueError, and TypeError/KeyError from fields
-        msg = re.sub(r"^--l2-adapter #\d+ \([^)]*\): ", "", str(e)) or type(e).__name__
-        fields_help = " ".join(config_cls.help().split())
-        raise Bad(f'(type "{type_name}") is rejected by LMCache: {msg}',
-                  f"correct that field; {fields_help}") from None
-    finally:
-        quiet.disabled = was
-
-
 def _adapter(spec, i: int) -> dict:
     sub = f"[{i}]"
     if not isinstance(spec, dict):
         fix = (f'write {{"type": "{spec}", ...that adapter\'s fields}}' if isinstance(spec, str)
                else f"write each adapter as an object, e.g. {_EXAMPLE[1:-1]}")
         raise Bad('must be a JSON object with a "type"', fix, sub=sub, got=spec)
-    shown = show(redacted(spec))
-    type_name = spec.get("type")
-    if not isinstance(type_name, str) or not type_name:
-        raise Bad('needs a "type" string (the LMCache adapter type)',
-                   'add "type": "valkey" (or "fs_native", "p2p", ...)',
-                   sub=sub, shown=shown)
-    if type_name == "resp":
-        raise Bad(f'(type "resp") is not supported: {_RESP_REFUSED}', _valkey_for(spec),
-                   sub=sub, shown=shown)
-    serde = spec.get("serde")
-    serde_type = serde.get("type") if isinstance(serde, dict) else None
-    if serde_type in _ONE_TENSOR_SERDES:
-        raise Bad(f'(type "{type_name}") field "serde" (type "{serde_type}") cannot be used: '
-                   f"LMCache 0.5.6's {serde_type} serde reads an object as one tensor, and "
-                   "gemma4-kv's objects carry their checksum trailer as a second one: every "
-                   "store into this tier fails, so nothing is ever stored (and a lossy copy "
-                   "could not pass the checksum)", 'remove "serde"', sub=sub, shown=shown)
-    where = _non_finite(spec)
-    if where is not None:
-        raise Bad(f'(type "{type_name}") holds a NaN or infinity at {where}',
-                   "write a finite number", sub=sub, shown=shown)
-    for k in _GENERIC_BOOLS:
-        if k in spec and not isinstance(spec[k], bool):
-            raise Bad(f'(type "{type_name}") field "{k}" must be true or false '
-                       "(LMCache reads any non-empty value as true)",
-                       f'write "{k}": true or false, unquoted', sub=sub, shown=shown)
-    eviction = spec.get("eviction")
-    for k in ("trigger_watermark", "eviction_ratio") if isinstance(eviction, dict) else ():
-        x = eviction.get(k, 0.5)
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x <= 1:
-            raise Bad(f'(type "{type_name}") field "eviction"["{k}"] must be a number in '
-                       "(0, 1] (LMCache converts it with float() and checks no range)",
-                       f'write e.g. "{k}": 0.8', sub=sub, shown=shown)
     try:
-        json.dumps(spec, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise Bad(f'(type "{type_name}") is not JSON ({e})', "use only JSON values",
-                   sub=sub, shown=shown) from None
-    try:
-        config_cls = adapter_class(type_name)
-        lmcache_parse(spec, type_name, config_cls)
-    except Bad as bad:
-        bad.sub, bad.shown = sub, shown
-        raise
+        lmcache.check_l2_adapter(spec)
+    except lmcache.L2AdapterRejected as e:
+        raise Bad(e.problem, e.fix, sub=sub, shown=show(redacted(spec))) from None
     return copy.deepcopy(spec)
-
-
-def _valkey_for(resp: dict) -> str:
-    """The fix for a refused `resp` spec: the same server through the `valkey` adapter."""
-    host, port = resp.get("host"), resp.get("port")
-    node = f"{host}:{port}" if isinstance(host, str) and host and isinstance(port, int) \
-        else "HOST:PORT"
-    auth = "".join(f', "{k}": ...' for k in ("username", "password") if resp.get(k))
-    return (f'use valkey: {{"type": "valkey", "startup_nodes": "{node}", "request_timeout": '
-            f'0.5, "connection_timeout": 1.0{auth}}} (the same Redis or Valkey server)')
 
 
 def adapters(v):

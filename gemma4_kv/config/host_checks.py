@@ -11,7 +11,8 @@ import os
 import shutil
 import socket
 
-from .checks import Bad, adapter_class, error, lmcache_parse, redacted, show
+from ..stores.lmcache import L2AdapterRejected, l2_adapter_endpoints
+from .checks import error, redacted, show
 from .settings import GiB, ConnectorSettings, server_endpoint
 
 logger = logging.getLogger(__name__)
@@ -105,18 +106,6 @@ def _check_disk(settings: ConnectorSettings) -> None:
                        100 * usage.free / usage.total)
 
 
-def tier_endpoints(spec: dict) -> tuple[list[tuple[str, int]], bool]:
-    """(host, port) pairs a network adapter connects to, as LMCache parsed them, and whether
-    one reachable pair is enough (a Valkey cluster finds the rest from any seed)."""
-    kind = spec.get("type")
-    if kind != "valkey":  # `resp` never gets here: it is refused when parsed
-        return [], True
-    cfg = lmcache_parse(spec, kind, adapter_class(kind))
-    if cfg.cluster_mode:
-        return list(cfg.startup_nodes), True
-    return list(cfg.startup_nodes[:1]), False  # standalone Valkey uses the first node only
-
-
 def check_tiers_reachable(settings: ConnectorSettings, timeout_s: float = 1.0) -> None:
     """A TCP connect to each network tier in `l2_adapters` (valkey): an unreachable
     tier fails start-up naming it, instead of every lookup waiting on it later; likewise
@@ -132,8 +121,8 @@ def check_tiers_reachable(settings: ConnectorSettings, timeout_s: float = 1.0) -
                          "server` command line) or correct the URL") from None
     for i, spec in enumerate(settings.l2_adapters):
         try:
-            endpoints, any_one = tier_endpoints(spec)
-        except Bad as bad:
+            endpoints, any_one = l2_adapter_endpoints(spec)
+        except L2AdapterRejected as bad:
             raise error(f'["l2_adapters"][{i}]', bad.problem, show(redacted(spec)),
                          bad.fix) from None
         failures = []

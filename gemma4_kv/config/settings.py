@@ -17,17 +17,13 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 
-from ..stores.embedded import StoreConfig
-from ..stores.factory import ServerConfig
+from ..stores.config import ServerConfig, StoreConfig
 from .checks import (Bad, SettingsError, adapters, boolean, choice, disk_path, error, integer,
                      json_text, number, redacted, server_url, show, stats_file, text)
 
 GiB = 1 << 30
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
-SERVER_TIMEOUT_MAX_S = 1.5
-"""`lmcache_server_timeout_s` stays below the scheduler's 2 s wait for a worker rank
-(scheduler.RANK_TIMEOUT_S): a lookup that finds the server gone still answers in time."""
 SERVER_EXCLUSIVE = ("cpu_gb", "disk_path", "disk_gb", "l2_adapters")
 """Tiers of the embedded store: with `lmcache_server` the server's own tiers serve."""
 
@@ -109,7 +105,7 @@ class ConnectorSettings:
     lmcache_server_timeout_s: float = _key(
         1.0, "seconds one call to `lmcache_server` may wait for an answer before the "
         "server counts as down (misses until it answers again); at most "
-        f"{SERVER_TIMEOUT_MAX_S:g}", number(above=0), shown="1")
+        f"{ServerConfig.TIMEOUT_MAX_S:g}", number(above=0), shown="1")
     lmcache_log_level: str = _key(
         "WARNING", "level of LMCache's own logs (DEBUG/INFO/WARNING/ERROR); its per-request "
         "INFO lines stay out of vLLM's log unless asked", choice(LOG_LEVELS))
@@ -182,8 +178,9 @@ class ConnectorSettings:
 
 
 def _check_server(values: dict, extra: Mapping) -> None:
-    """What `lmcache_server` excludes: the embedded tiers, and unverified objects (0.5.6
-    makes a dead client's unfinished writes visible)."""
+    """What `lmcache_server` excludes: the embedded tiers, turning verification off where
+    the server's store verifies every object (`StoreCapabilities.verifies_always`), and
+    a call timeout beyond `ServerConfig.TIMEOUT_MAX_S`."""
     url = values["lmcache_server"]
     given = [k for k in SERVER_EXCLUSIVE if k in extra]
     if given:
@@ -191,16 +188,16 @@ def _check_server(values: dict, extra: Mapping) -> None:
                      "server's own L1 and L2 tiers store the KV)", show(extra[given[0]]),
                      f"remove {', '.join(given)}, or remove lmcache_server ({json_text(url)}); "
                      "size the server with `lmcache server --l1-size-gb` / `--l2-adapter`")
-    if values.get("verify_checksums") is False:
+    if values.get("verify_checksums") is False and ServerConfig.CAPABILITIES.verifies_always:
         raise error('["verify_checksums"]', "cannot be false with lmcache_server: LMCache "
                      "0.5.6 makes a dead client's unfinished writes visible, so every object "
                      "read from the server is verified", show(False),
                      "remove verify_checksums")
-    t = values.get("lmcache_server_timeout_s", 1.0)
-    if t > SERVER_TIMEOUT_MAX_S:
-        raise error('["lmcache_server_timeout_s"]', f"must be at most {SERVER_TIMEOUT_MAX_S:g} "
+    t, most = values.get("lmcache_server_timeout_s", 1.0), ServerConfig.TIMEOUT_MAX_S
+    if t > most:
+        raise error('["lmcache_server_timeout_s"]', f"must be at most {most:g} "
                      "(the scheduler waits 2 s for a worker rank's lookup answer)", show(t),
-                     f"write a number in (0, {SERVER_TIMEOUT_MAX_S:g}]")
+                     f"write a number in (0, {most:g}]")
 
 
 def _unknown(unknown: list, known: list[str]) -> SettingsError:

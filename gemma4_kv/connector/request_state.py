@@ -63,10 +63,12 @@ class RequestState:
             done = max(done, min(computed - self.drafts.decode_margin, known) // c)
         return done
 
-    def write(self, req_id: str, done: int, layout: KVLayout, interval: int) -> ChunkWrite:
+    def write(self, req_id: str, done: int, layout: KVLayout, interval: int,
+              name_low: bool) -> ChunkWrite:
         """The save of chunks [`next_chunk`, `done`), which it then counts as stored: the
         groups the retention keeps of each (none of an impure chunk) and the hit ends
-        they serve, with a HIGH end where generated tokens end."""
+        they serve, with a HIGH end where generated tokens end; the LOW ends are named
+        only if `name_low` (a store that ranks by hit ends)."""
         c = self.drafts.chunk_size
         if self.retention is None:
             self.retention = kept = retention(layout, c, self.prompt_len, interval,
@@ -78,7 +80,8 @@ class RequestState:
         ends = list(self.ends)
         if done > self.prompt_len // c:  # a generated chunk ends here
             ends.append((done * c, HIGH))
-        write = ChunkWrite(req_id, chain, self.next_chunk, groups, ends)
+        low = frozenset(e for e, k in ends if k == LOW) if name_low else frozenset()
+        write = ChunkWrite(req_id, chain, self.next_chunk, groups, [e for e, _ in ends], low)
         self.stored += [()] * (self.next_chunk - len(self.stored)) + groups
         self.next_chunk = done
         return write

@@ -28,7 +28,6 @@ from ..layout.plan import check_chunk_size, cut_before
 from ..lookup import messages
 from ..lookup.ranks import RankLookups
 from ..lookup.sockets import socket_address
-from ..stores.factory import capabilities
 from ..transfer.jobs import FinishJob, LoadJob, SaveJob
 from .metadata import Gemma4KVMetadata
 from .metrics import Gemma4KVStats
@@ -53,9 +52,10 @@ class ConnectorScheduler:
         self.chunk_size = settings.chunk_size
         check_chunk_size(self.layout, self.chunk_size)
         self.settings = settings
+        store = settings.store_config().capabilities
         # A store that cannot serve hits ending among generated tokens stores none.
-        self.save_generated = settings.save_decode_tokens and capabilities(
-            settings.store_config()).stores_generated
+        self.save_generated = settings.save_decode_tokens and store.stores_generated
+        self.ranks_hit_ends = store.ranks_hit_ends
         for g in self.layout.groups:
             if g.window is not None and g.window < self.chunk_size:
                 logger.warning(
@@ -181,7 +181,8 @@ class ConnectorScheduler:
             # and their old ids may already belong to another request.
             block_ids = tuple(list(b) for b in self.kv_cache_manager.get_block_ids(req_id))
             meta.saves.append(SaveJob(st.write(req_id, done, self.layout,
-                                               self.settings.retention_interval), block_ids))
+                                               self.settings.retention_interval,
+                                               self.ranks_hit_ends), block_ids))
         return meta
 
     # -- end of a request, reset --------------------------------------------------------

@@ -91,7 +91,7 @@ class LookupService:
         chain = msg.hashes[:n]
         pending = self._pending.pop(msg.req_id, None)
         candidates = None
-        if pending is None and self.store.has_l2 and self.wait.allows(now):
+        if pending is None and self.store.slow_tier_up() and self.wait.allows(now):
             candidates = self._candidates(chain, msg.start, msg.limit, msg.spans)
             target = min(msg.limit, n * self.chunk_size)
             have = candidates[0] if candidates else msg.start

@@ -14,7 +14,17 @@ Reads are two-step, and what may fail happens before a hit is offered:
 Writes are two-phase: `reserve` hands out empty objects to fill, `commit` makes them
 visible (or `abort` drops them).
 
-Threads: reads run on the worker's lookup thread, writes on the model thread.
+Threads: reads (`resident` to `pin`, `reset`) run on the worker's lookup thread, writes
+(`reserve` to `on_request_finished`) on the model thread; `release` runs on either, so a
+store shares what both touch under its own lock. No method raises for a tier that is
+down or full: it answers with less (a miss, fewer objects). What it raises otherwise
+(a bug, LMCache failing) reaches the caller: on the lookup thread that request misses,
+on the model thread the step fails.
+
+What differs between stores is stated by `StoreCapabilities`, never by a method or an
+argument one store ignores: the settings and the scheduler half read it from the
+store's config (`stores.config`), without opening a store. Optional hooks are concrete
+and do nothing (`fetch_bytes`, `in_flight`, `on_request_finished`).
 """
 
 from __future__ import annotations
@@ -22,8 +32,10 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the settings and the scheduler read this module without torch
+    import torch
 
 ChunkKey = tuple[bytes, int]
 """(chunk hash, group id) of one object."""
@@ -33,6 +45,26 @@ LOW, HIGH = 0, 1
 tokens end; LOW the extra ends kept only so that a hit can stop there."""
 
 
+@dataclass(frozen=True)
+class StoreCapabilities:
+    """What a store does, where stores differ. Each field is read by the code that plans
+    around the store, so a store never has to ignore part of the interface."""
+
+    slow_tier: bool
+    """It has a tier slower than the one `resident` reads, which lookups may wait for
+    (`start_prefetch` / `poll`); False: a lookup answers from `resident` alone (the
+    lookup service)."""
+    ranks_hit_ends: bool
+    """It keeps what it stores by the class of each hit end (`ChunkWrite.low`); the
+    scheduler names LOW ends only for such a store."""
+    stores_generated: bool
+    """It can serve a hit ending among generated tokens, so their chunks are worth
+    saving (the scheduler)."""
+    verifies_always: bool
+    """Every object it reads is verified against its trailer, whatever
+    `verify_checksums` says (the settings refuse turning it off)."""
+
+
 @dataclass
 class Pinned:
     """Objects held for one hit: views to load from, until `ChunkStore.release`."""
@@ -40,19 +72,6 @@ class Pinned:
     views: dict[ChunkKey, torch.Tensor]
     handles: list = field(default_factory=list)
     """What the store gives back on release (its own locks)."""
-
-
-@dataclass(frozen=True)
-class StoreCapabilities:
-    """What a kind of store does, for the parts that plan around it without holding one
-    (the scheduler half runs in another process than the stores)."""
-
-    slow_tier: bool
-    """Lookups may need a slower tier (`start_prefetch` / `poll`) before a hit."""
-    ranks_hit_ends: bool
-    """It keeps what it stores by the hit ends of `ChunkWrite.ends` (their class)."""
-    stores_generated: bool
-    """Chunks of generated tokens are worth saving (a hit can end among them)."""
 
 
 @dataclass
@@ -75,14 +94,18 @@ class Prefetch:
 class ChunkWrite:
     """What a save asks a store to keep: chunks `first`, `first + 1`, ... of a request's
     `chain`, each for the groups in `groups[i]` (a chunk is kept for all of them or
-    none). `ends` are the hits the request's stored chunks serve, as (token count,
-    HIGH or LOW): a store that ranks what it keeps uses them."""
+    none). `ends` are the token counts where the hits the request's stored chunks serve
+    end: a store keeps only what those hits read."""
 
     req_id: str
     chain: list[bytes]
     first: int
     groups: list[tuple[int, ...]]
-    ends: list[tuple[int, int]] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
+    low: frozenset[int] = frozenset()
+    """Of `ends`, those kept only so that a hit can stop there (class LOW, evicted
+    first; the others are HIGH). Named only for a store that ranks by them
+    (`StoreCapabilities.ranks_hit_ends`); empty otherwise."""
 
 
 @dataclass
@@ -94,31 +117,47 @@ class Reservation:
 
 
 class ChunkStore(abc.ABC):
-    """See the module doc."""
+    """See the module doc. Each method states its thread, whether it may wait, what a
+    failure does and whether a second call is harmless."""
 
     @property
     @abc.abstractmethod
-    def has_l2(self) -> bool:
-        """Whether a lookup should ask a slower tier (`start_prefetch`) at all."""
+    def capabilities(self) -> StoreCapabilities:
+        """What this store does (its config's `capabilities`); fixed for its life."""
+
+    def slow_tier_up(self) -> bool:
+        """Whether a lookup should ask the slower tier now (lookup thread, never waits).
+        A store whose slower tier it knows to be down (a server that stopped answering)
+        says False until it answers again, so lookups miss at once instead of asking."""
+        return self.capabilities.slow_tier
 
     # -- reads (lookup thread) --------------------------------------------------------
     @abc.abstractmethod
     def resident(self, chain: Sequence[bytes]) -> dict[int, set[int]]:
-        """Per group id, the chunk indices of `chain` the fast tier holds and may offer."""
+        """Per group id (every group of the layout), the chunk indices of `chain` the
+        fast tier holds and may offer now: objects still unverified or known bad are
+        left out. Never waits; a second call may answer more (a prefetch landed) or
+        less (eviction)."""
 
     @abc.abstractmethod
     def start_prefetch(self, chain: Sequence[bytes], start: int, limit: int) -> Prefetch:
-        """Ask slower tiers for what a hit of up to `limit` tokens (after `start`
-        local ones) on `chain` needs, without waiting."""
+        """Ask slower tiers for what a hit of up to `limit` tokens of `chain` needs, of
+        which the engine holds the first `start` itself. Never waits: the tiers answer
+        behind `poll`. Always returns a new `Prefetch` (finished at once if nothing is
+        asked: no room, tier down), which the caller hands to `finish_prefetch` exactly
+        once. The lookup service asks only while `slow_tier_up()`."""
 
     def fetch_bytes(self, chain: Sequence[bytes], start: int, limit: int) -> int | None:
-        """Bytes a prefetch of the same arguments would bring up from slower tiers, if
-        the store can tell (None: unknown)."""
+        """Bytes `start_prefetch(chain, start, limit)` would bring up from slower
+        tiers, if the store can tell (None: unknown); with the tier's measured
+        throughput it bounds how long a lookup waits. Never waits; asks no tier."""
         return None
 
     @abc.abstractmethod
     def poll(self) -> None:
-        """Settle every prefetch that has finished (never waits)."""
+        """Move every prefetch in flight on and settle those whose tiers have answered:
+        what they brought up is verified before `resident` offers it. Never waits;
+        idempotent. A prefetch whose tier fails finishes with nothing."""
 
     def in_flight(self) -> bool:
         """Whether a prefetch is in flight that `poll` moves on. The lookup thread then
@@ -128,46 +167,61 @@ class ChunkStore(abc.ABC):
 
     @abc.abstractmethod
     def finish_prefetch(self, prefetch: Prefetch) -> None:
-        """The lookup is done with `prefetch` (it pinned its hit, or gave up): whatever
-        the store still holds for it goes."""
+        """The lookup is done with `prefetch` (it pinned its hit, or gave up, finished
+        or not): whatever the store still holds for it goes, now or when it settles.
+        Idempotent."""
 
     @abc.abstractmethod
     def pin(self, chain: Sequence[bytes], start: int, hit: int,
             req_id: str = "") -> Pinned | None:
         """Hold and check every object a hit of tokens [start, hit) of `chain` reads, for
-        request `req_id`; all or nothing (None)."""
+        request `req_id`: all or nothing (None, holding nothing). What it returns stays
+        valid, through `reset` too, until `release`d exactly once; the load only copies
+        from its views. May wait only where the hit was not prefetched (a rank asked
+        to pin what another found), for at most a few of the store's call timeouts."""
 
     @abc.abstractmethod
     def release(self, pinned: Pinned | None) -> None:
-        """Give back what `pin` held (idempotent)."""
+        """Give back what `pin` held. Lookup or model thread; idempotent, and None is a
+        no-op. Never raises for a tier that is down (its locks then expire there)."""
 
     # -- writes (model thread) --------------------------------------------------------
     @abc.abstractmethod
     def reserve(self, write: ChunkWrite) -> Reservation:
-        """Empty objects for the chunks of `write` the store should keep (none for those
-        it holds already or has no room for)."""
+        """Empty objects for the chunks of `write` the store should keep: none for those
+        it holds already, no hit of `write.ends` needs, or it has no room for (a tier
+        down or full gives an empty reservation, never an error). May wait for a remote
+        store's answer, up to its call timeout. Every reservation is then `commit`ted
+        or `abort`ed exactly once."""
 
     @abc.abstractmethod
     def commit(self, reservation: Reservation) -> None:
-        """The reservation's objects are filled: make them visible."""
+        """The reservation's objects are filled and sealed: make them visible. May wait
+        for a remote store's answer, up to its call timeout. Idempotent; after a
+        `reset`, what it commits stays unreachable to this engine."""
 
     @abc.abstractmethod
     def abort(self, reservation: Reservation) -> None:
-        """Drop the reservation's objects unseen."""
+        """Drop the reservation's objects unseen. Idempotent."""
 
     def on_request_finished(self, req_id: str) -> None:
-        """The request will save nothing more. A store that keeps state for a request's
-        writes in flight drops it here; others need not."""
+        """The request will save nothing more (called after its last `commit` or
+        `abort`). A store that keeps state for a request's writes in flight drops it
+        here; others need not."""
 
     # -- misc -------------------------------------------------------------------------
     @abc.abstractmethod
     def reset(self) -> bool:
-        """Make everything stored so far unreachable (weights changed)."""
+        """Make everything stored so far unreachable to this engine (its weights
+        changed): later lookups find none of it, in any tier. Lookup thread; pins held
+        stay valid until released, and reservations made before it commit nothing.
+        True once done."""
 
     @abc.abstractmethod
     def usage(self) -> tuple[int, int]:
-        """(used, total) bytes of the fast tier."""
+        """(used, total) bytes of the fast tier, as the store knows them (any thread)."""
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Give everything back; the store is unusable afterwards."""
+        """Give everything back (pins, prefetches, connections); the store is unusable
+        afterwards. Called once, after the lookup and model threads stopped using it."""

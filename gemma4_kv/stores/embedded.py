@@ -28,35 +28,14 @@ import torch
 from ..layout.groups import KVLayout
 from ..layout.plan import hit_chunks
 from ..layout import integrity
-from .base import (ChunkKey, ChunkStore, ChunkWrite, Pinned, Prefetch, Reservation,
-                   StoreCapabilities)
+from .base import (HIGH, LOW, ChunkKey, ChunkStore, ChunkWrite, Pinned, Prefetch,
+                   Reservation, StoreCapabilities)
 from .capacity import Capacity, EndSpec, hit_end
+from .config import StoreConfig
 from .embedded_l2 import L2Prefetches
 from .lmcache import StorageLayer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    """Sizes and tiers of one rank's embedded store."""
-
-    cpu_bytes: int = 4 << 30
-    disk_path: str | None = None
-    disk_gb: float = 0.0
-    l2_adapters: tuple[dict, ...] = ()
-    """More LMCache L2 tiers, as `lmcache server --l2-adapter` JSON objects."""
-    verify_checksums: bool = True
-
-    def adapter_specs(self) -> list[dict]:
-        specs = list(self.l2_adapters)
-        if self.disk_path:
-            disk = {"type": "fs_native", "base_path": self.disk_path, "num_workers": 4,
-                    "max_capacity_gb": self.disk_gb}
-            if self.disk_gb:
-                disk["eviction"] = {"eviction_policy": "LRU"}
-            specs.insert(0, disk)
-        return specs
 
 
 PAD_LIMIT = 0.02
@@ -96,16 +75,12 @@ class _Reservation(Reservation):
 
 
 class EmbeddedStore(ChunkStore):
-    CAPABILITIES = StoreCapabilities(slow_tier=True, ranks_hit_ends=True,
-                                     stores_generated=True)
     def __init__(self, layout: KVLayout, fingerprint: str, chunk_size: int,
                  config: StoreConfig = StoreConfig(), kv_rank: int = 0, stats=None):
         self.layout, self.fingerprint, self.chunk_size = layout, fingerprint, chunk_size
         self.namespace = fingerprint
         self.kv_rank, self.config, self.stats = kv_rank, config, stats
-        adapters = config.adapter_specs()
-        self._has_l2 = bool(adapters)
-        self.tier = StorageLayer(config.cpu_bytes, adapters)
+        self.tier = StorageLayer(config.cpu_bytes, config.adapter_specs())
         self._groups = [g.group_id for g in layout.groups]
         self._layouts, self._bytes = {}, {}
         for gid, (shapes, dtypes) in object_layouts(layout, chunk_size,
@@ -121,8 +96,9 @@ class EmbeddedStore(ChunkStore):
                                verify=config.verify_checksums, stats=stats)
 
     @property
-    def has_l2(self) -> bool:
-        return self._has_l2
+    def capabilities(self) -> StoreCapabilities:
+        """A slower tier where an L2 adapter (or the disk tier) is configured."""
+        return self.config.capabilities
 
     # -- keys -------------------------------------------------------------------------
     def key(self, chunk_hash: bytes, group_id: int, namespace: str | None = None):
@@ -221,7 +197,7 @@ class EmbeddedStore(ChunkStore):
         tensor, trailer tensor, trailer key)}; objects in L1 already are skipped."""
         chain = write.chain
         self._fit_limit()
-        ends = [self._end(chain, t, cls) for t, cls in write.ends
+        ends = [self._end(chain, t, LOW if t in write.low else HIGH) for t in write.ends
                 if -(-t // self.chunk_size) <= len(chain)]
         self.capacity.plan(write.req_id, ends, self._sizes({c for e in ends for c in e.cells}))
         cells = [(chain[write.first + i], g) for i, gids in enumerate(write.groups)

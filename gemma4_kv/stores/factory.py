@@ -3,30 +3,10 @@ store on a running `lmcache server`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..layout.groups import KVLayout
-from .base import ChunkStore, StoreCapabilities
-from .embedded import EmbeddedStore, StoreConfig
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """A running `lmcache server` (engine-driven, shared-memory L1) on this host."""
-
-    url: str
-    timeout_s: float = 1.0
-    retention_interval: int = 0
-    """Tokens between stored sliding-window chunks (the scheduler's; 0: every chunk)."""
-
-
-def capabilities(config: StoreConfig | ServerConfig) -> StoreCapabilities:
-    """What the store `config` names does (without opening it)."""
-    if isinstance(config, StoreConfig):
-        return EmbeddedStore.CAPABILITIES
-    from .server import ServerStore
-
-    return ServerStore.CAPABILITIES
+from .base import ChunkStore
+from .config import ServerConfig, StoreConfig
+from .embedded import EmbeddedStore
 
 
 class StoreUnavailable(RuntimeError):

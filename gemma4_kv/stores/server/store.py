@@ -5,7 +5,7 @@ window-aware loads and movers.
 What it stores: full-attention groups every prompt chunk, keyed by the prompt's chain;
 sliding groups only the windows before the hit ends the scheduler names, each in a
 window chain of its own (`windows.py`), so a hit needs no more bytes on the server than
-in the embedded store. Tokens a request generates are not stored (`CAPABILITIES`): a
+in the embedded store. Tokens a request generates are not stored (`capabilities`): a
 hit ending among them would need a window chain per generated chunk.
 
 A lookup (`start_prefetch`, settled by `poll` on the lookup thread):
@@ -43,6 +43,7 @@ from ...layout.groups import AttentionKind, KVLayout
 from ...layout.plan import hit_chunks, needed_chunks
 from ...layout import integrity
 from ..base import ChunkKey, ChunkStore, ChunkWrite, Pinned, Prefetch, Reservation, StoreCapabilities
+from ..config import ServerConfig
 from .connection import ServerConnection, ServerUnavailable, runs
 from .reads import Lookup, Pin, ServerReads
 from .windows import assign, end_chunk, window_hashes, window_need
@@ -102,9 +103,6 @@ class _Reservation(Reservation):
 class ServerStore(ChunkStore):
     """Objects per (chunk, group) in a shared `lmcache server`; see the module doc."""
 
-    CAPABILITIES = StoreCapabilities(slow_tier=True, ranks_hit_ends=False,
-                                     stores_generated=False)
-
     def __init__(self, layout: KVLayout, fingerprint: str, chunk_size: int, *, url: str,
                  timeout_s: float = 1.0, cuda: bool = False, stats=None,
                  ping_interval_s: float = 20.0, retention_interval: int = 0,
@@ -139,7 +137,10 @@ class ServerStore(ChunkStore):
         self._device_bytes = 0  # verified copies on the GPU (under _held_lock)
 
     @property
-    def has_l2(self) -> bool:
+    def capabilities(self) -> StoreCapabilities:
+        return ServerConfig.CAPABILITIES
+
+    def slow_tier_up(self) -> bool:
         """Lookups go to the server (answered pending) while it answers; misses else."""
         return self.conn.healthy
 
@@ -487,13 +488,14 @@ class ServerStore(ChunkStore):
         by the prompt's chain, sliding groups in the window chains of the write's ends
         (`windows.assign`: chunks no end's window needs are not stored). Chunks the
         server holds already, or has no room for, get none; those a verified hit found
-        there are not asked for (`_held`)."""
+        there are not asked for (`_held`). The server's LRU evicts, so `write.low` is
+        empty here (`capabilities.ranks_hit_ends`)."""
         chain = write.chain
         cells = [(write.first + i, g) for i, gids in enumerate(write.groups) for g in gids]
         if not cells or not self.conn.healthy:
             return _Reservation({})
         full = [(c, g) for c, g in cells if g in self._full]
-        windows = assign(self.layout, self.chunk_size, [t for t, _ in write.ends],
+        windows = assign(self.layout, self.chunk_size, write.ends,
                          [(c, g) for c, g in cells if g in self._sliding])
         plans = []  # (server chain, {group: positions}, position -> chain chunk)
         if full:

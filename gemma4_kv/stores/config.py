@@ -1,0 +1,71 @@
+"""What configures a store, and what the store it names can do: read by the settings and
+the scheduler half, which hold no store (the scheduler runs in another process than the
+stores), so this module imports neither torch nor LMCache.
+
+`factory.open_store` opens the store a config names; each store's `capabilities` is its
+config's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import StoreCapabilities
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Sizes and tiers of one rank's embedded store (LMCache in this process)."""
+
+    cpu_bytes: int = 4 << 30
+    disk_path: str | None = None
+    disk_gb: float = 0.0
+    l2_adapters: tuple[dict, ...] = ()
+    """More LMCache L2 tiers, as `lmcache server --l2-adapter` JSON objects (checked by
+    `lmcache.check_l2_adapter`)."""
+    verify_checksums: bool = True
+
+    def adapter_specs(self) -> list[dict]:
+        """Every L2 tier: the disk tier first, then `l2_adapters`."""
+        specs = list(self.l2_adapters)
+        if self.disk_path:
+            disk = {"type": "fs_native", "base_path": self.disk_path, "num_workers": 4,
+                    "max_capacity_gb": self.disk_gb}
+            if self.disk_gb:
+                disk["eviction"] = {"eviction_policy": "LRU"}
+            specs.insert(0, disk)
+        return specs
+
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        return StoreCapabilities(slow_tier=bool(self.adapter_specs()), ranks_hit_ends=True,
+                                 stores_generated=True,
+                                 verifies_always=False)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """A running `lmcache server` (engine-driven, shared-memory L1) on this host."""
+
+    url: str
+    timeout_s: float = 1.0
+    """Seconds one call may wait for the server's answer before it counts as down."""
+    retention_interval: int = 0
+    """Tokens between stored sliding-window chunks (the scheduler's; 0: every chunk)."""
+
+    TIMEOUT_MAX_S = 1.5
+    """Most `timeout_s`: below the scheduler's 2 s wait for a worker rank's lookup answer
+    (`connector.scheduler.RANK_TIMEOUT_S`), so a lookup that finds the server gone still
+    answers in time."""
+
+    CAPABILITIES = StoreCapabilities(
+        # Its LRU evicts: the class of an end means nothing to it. A hit ending among
+        # generated tokens would need a window chain per generated chunk.
+        slow_tier=True, ranks_hit_ends=False, stores_generated=False,
+        # LMCache 0.5.6 makes a dead client's unfinished writes visible, and other
+        # clients may write anything under our names.
+        verifies_always=True)
+
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        return self.CAPABILITIES
