@@ -72,7 +72,7 @@ class ConnectorWorker:
                                 f"cannot be used: {e}; fix: start the README's `lmcache "
                                 "server` command line (LMCache 0.5.6, on this host) or "
                                 "remove the key") from None
-        transfer = Transfer(device, self.settings.num_programs)
+        transfer = Transfer(device, self.settings.num_programs, self.stats)
         pool = StagingPool(self.settings.staging_mb << 20, device) if transfer.cuda else None
         record = StatsFile(self.settings.stats_file, self.layout, rank)
         warm_up(transfer, self.layout, caches, self.chunk_size, pool)
