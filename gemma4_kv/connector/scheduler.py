@@ -259,6 +259,10 @@ class ConnectorScheduler:
             st = self._requests.get(req_id)
             if st is None or req_id not in computed:
                 continue
+            if (computed[req_id] + scheduled) // self.chunk_size <= st.next_chunk:
+                # No chunk can complete in this step (most decode steps): nothing to save.
+                self._mark_impure(st, computed[req_id], scheduled, drafter_skipped)
+                continue
             if self._state(st.request) is None:  # reset while in flight: stop saving
                 continue
             self._mark_impure(st, computed[req_id], scheduled, drafter_skipped)
