@@ -11,6 +11,7 @@ from .copy_blocks import NOT_SPECIALISED, NUM_WARPS, TILE_BYTES, copy_blocks_ker
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 KERNEL_PARAMETERS = tuple(inspect.signature(copy_blocks_kernel.fn).parameters)
+_SPECIALISED = tuple(name not in NOT_SPECIALISED for name in KERNEL_PARAMETERS)
 _TRITON_TYPE = {torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
 
 DEFAULT_PROGRAMS = 528
@@ -106,6 +107,7 @@ class BlockCopy:
         self._meta = dict(HEADS=heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
                           BLOCK_ROWS=1 << (rows.bit_length() - 1),  # a power of two for tl.arange
                           TO_CHUNK=to_chunk, ALIGNED=aligned, num_warps=num_warps)
+        self._meta_key = tuple(sorted(self._meta.items()))
 
     def arguments(self, layers: range | None = None) -> tuple:
         """The kernel's positional arguments (all but the constexprs) for
@@ -117,12 +119,11 @@ class BlockCopy:
                 self.num_layers, self.chunk_tokens, *self._strides)
 
     def signature(self, layers: range | None = None) -> tuple:
-        """The key Triton compiles `launch(layers)` under: every argument's
-        `specialisation`, the constexprs and the launch options. Computed from the
-        arguments alone, so it is known on any device, launched or not."""
-        return (tuple(specialisation(a, name not in NOT_SPECIALISED)
-                      for name, a in zip(KERNEL_PARAMETERS, self.arguments(layers)))
-                + tuple(sorted(self._meta.items())))  # the constexprs and num_warps
+        """The key Triton compiles `launch(layers)` under: (every argument's
+        `specialisation`, the constexprs and num_warps). Computed from the arguments
+        alone, so it is known on any device, launched or not."""
+        return (tuple(map(specialisation, self.arguments(layers), _SPECIALISED)),
+                self._meta_key)
 
     def launch(self, layers: range | None = None) -> None:
         """Queue the copy of `layers` (positions in `caches`; default all) on the

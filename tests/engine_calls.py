@@ -22,6 +22,6 @@ def forget_warm_launches(worker, to_chunk: bool = False) -> int:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     covered = get_kv_transfer_group()._worker.loads.transfer.launches.covered
-    drop = {s for s in covered if ("TO_CHUNK", to_chunk) in s}
+    drop = {s for s in covered if ("TO_CHUNK", to_chunk) in s[1]}  # (arguments, constexprs)
     covered -= drop
     return len(drop)

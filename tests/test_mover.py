@@ -226,7 +226,7 @@ def test_launch_signature_is_tritons_key(n, layers, pieces, offset):
         args = copy.arguments(sub)
         want = [native_specialize_impl(BaseBackend, a, False, name not in NOT_SPECIALISED,
                                        True) for name, a in zip(KERNEL_PARAMETERS, args)]
-        assert list(copy.signature(sub)[:len(args)]) == want
+        assert list(copy.signature(sub)[0]) == want
         assert copy.signature(sub) == copy.signature()  # the layer range is not keyed on
     assert (want[KERNEL_PARAMETERS.index("chunk_index")][1] == "D") == (n % 2 == 0)
     assert (want[KERNEL_PARAMETERS.index("chunk_base")][1] == "D") == (offset == 0)
