@@ -1,7 +1,9 @@
 """Do at start-up what the first saves and loads would otherwise pay in a request's
 time: compile the Triton kernel for every way it is launched (saves staged through the
 staging buffer and written straight to pinned memory, layer-by-layer loads), and build
-the checksum weights for the largest object (`integrity.weights`).
+the checksum weights for the largest object (`integrity.weights`) on the device and on
+the host (saves straight to pinned memory are sealed, and objects from an L2 tier
+verified, there).
 
 Triton compiles a variant per launch signature (`kernels.launch.BlockCopy.signature`):
 besides the group's geometry, whether each argument's address is 16-byte aligned. The
@@ -43,7 +45,8 @@ def _warm_up(transfer, layout, caches, chunk_size, pool, moves) -> None:
     cuda = transfer.cuda
     words = max(torch.Size(g.chunk_shape(chunk_size)).numel() * g.dtype.itemsize // 4
                 for g in layout.groups)
-    integrity.weights(words, transfer.device)
+    for device in {torch.device("cpu"), transfer.device}:
+        integrity.weights(words, device)
     for g in layout.groups:
         obj = torch.empty(g.chunk_shape(chunk_size), dtype=g.dtype, pin_memory=cuda)
         trailer = torch.empty(integrity.SEAL_SHAPE, dtype=integrity.SEAL_DTYPE,
