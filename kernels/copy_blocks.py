@@ -26,10 +26,11 @@ import triton.language as tl
 TILE_BYTES = 16384
 """Bytes a program moves per loop iteration (rows x head_size)."""
 NUM_WARPS = 8
+NOT_SPECIALISED = ("n_units", "first_layer", "moved_layers")
 
 
 # Sizes that change from launch to launch are not specialised on (no recompiles).
-@triton.jit(do_not_specialize=["n_units", "first_layer", "moved_layers"])
+@triton.jit(do_not_specialize=list(NOT_SPECIALISED))
 def copy_blocks_kernel(
     cache_base, layer_offsets,  # first layer's tensor; int64 [L] element offsets
     chunk_base, chunk_offsets,  # first chunk object; int64 [C] element offsets

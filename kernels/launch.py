@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
 
-from .copy_blocks import NUM_WARPS, TILE_BYTES, copy_blocks_kernel
+from .copy_blocks import NOT_SPECIALISED, NUM_WARPS, TILE_BYTES, copy_blocks_kernel
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+KERNEL_PARAMETERS = tuple(inspect.signature(copy_blocks_kernel.fn).parameters)
+_SPECIALISED = tuple(name not in NOT_SPECIALISED for name in KERNEL_PARAMETERS)
+_TRITON_TYPE = {torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
 
 DEFAULT_PROGRAMS = 528
 """Four programs per SM of an H200: device-buffer gathers peak there (1845 GB/s one way,
@@ -30,6 +34,23 @@ def copy_blocks(caches: Sequence[torch.Tensor], chunks: Sequence[torch.Tensor],
     BlockCopy(caches, chunks, block_ids, chunk_index, slots, block_size=block_size,
               head_size=head_size, to_chunk=to_chunk, num_programs=num_programs,
               tile_bytes=tile_bytes, num_warps=num_warps).launch()
+
+
+def specialisation(value, specialise: bool = True) -> tuple:
+    """What Triton 3.x keys a compiled variant on for one argument, in its own terms
+    (`triton._C.libtriton.native_specialize_impl` with the base backend's rules, which
+    the NVIDIA backend keeps): a tensor's element type and whether its address is a
+    multiple of 16 bytes; an integer's width and, where specialised, 1 (a constant) or
+    divisibility by 16. Our kernel takes only integer tensors and integers."""
+    if isinstance(value, torch.Tensor):
+        return (f"*{_TRITON_TYPE[value.dtype]}", "D" if value.data_ptr() % 16 == 0 else "")
+    width = ("i32" if -2**31 <= value < 2**31 else "i64" if -2**63 <= value < 2**63
+             else "u64")
+    if not specialise:
+        return (width, None)
+    if value == 1:
+        return ("constexpr", 1)
+    return (width, "D" if value % 16 == 0 else "")
 
 
 class BlockCopy:
@@ -86,17 +107,30 @@ class BlockCopy:
         self._meta = dict(HEADS=heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
                           BLOCK_ROWS=1 << (rows.bit_length() - 1),  # a power of two for tl.arange
                           TO_CHUNK=to_chunk, ALIGNED=aligned, num_warps=num_warps)
+        self._meta_key = tuple(sorted(self._meta.items()))
+
+    def arguments(self, layers: range | None = None) -> tuple:
+        """The kernel's positional arguments (all but the constexprs) for
+        `launch(layers)`, in its order."""
+        layers = range(self.num_layers) if layers is None else layers
+        if layers.step != 1 or not 0 <= layers.start <= layers.stop <= self.num_layers:
+            raise ValueError(f"layers must be a contiguous range within {self.num_layers}")
+        return (*self._args, self.n * 2 * len(layers), layers.start, len(layers),
+                self.num_layers, self.chunk_tokens, *self._strides)
+
+    def signature(self, layers: range | None = None) -> tuple:
+        """The key Triton compiles `launch(layers)` under: (every argument's
+        `specialisation`, the constexprs and num_warps). Computed from the arguments
+        alone, so it is known on any device, launched or not."""
+        return (tuple(map(specialisation, self.arguments(layers), _SPECIALISED)),
+                self._meta_key)
 
     def launch(self, layers: range | None = None) -> None:
         """Queue the copy of `layers` (positions in `caches`; default all) on the
         current stream."""
-        layers = range(self.num_layers) if layers is None else layers
-        if layers.step != 1 or not 0 <= layers.start <= layers.stop <= self.num_layers:
-            raise ValueError(f"layers must be a contiguous range within {self.num_layers}")
-        n_units = self.n * 2 * len(layers)
+        args = self.arguments(layers)
+        n_units = args[len(self._args)]
         if n_units == 0:
             return
         grid = (max(1, min(self.num_programs, n_units)),)
-        copy_blocks_kernel[grid](*self._args, n_units, layers.start, len(layers),
-                                 self.num_layers, self.chunk_tokens, *self._strides,
-                                 **self._meta)
+        copy_blocks_kernel[grid](*args, **self._meta)

@@ -14,3 +14,14 @@ def perturb_weights(worker, name: str = "model.layers.0.self_attn.k_norm.weight"
     gen = torch.Generator().manual_seed(seed)
     p.data.add_(torch.randn(p.shape, generator=gen).to(p.dtype) * scale)
     return float(p.data.abs().mean())
+
+
+def forget_warm_launches(worker, to_chunk: bool = False) -> int:
+    """collective_rpc target: drop the warm-up's launch signatures of one direction
+    (False: loads), as if warm-up had skipped them. Returns how many were dropped."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    covered = get_kv_transfer_group()._worker.loads.transfer.launches.covered
+    drop = {s for s in covered if ("TO_CHUNK", to_chunk) in s[1]}  # (arguments, constexprs)
+    covered -= drop
+    return len(drop)

@@ -21,7 +21,8 @@ class SchedulerHalf:
     update_state_after_alloc, build_connector_meta, request_finished) and does every
     rank's part of the step (`work`)."""
 
-    def __init__(self, model_dir, ranks: int = 1, extra: dict | None = None):
+    def __init__(self, model_dir, ranks: int = 1, extra: dict | None = None,
+                 kv_mib: int = 64):
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.engine.arg_utils import EngineArgs
@@ -60,7 +61,7 @@ class SchedulerHalf:
                       dtype=torch.float32)
             specs[name] = (SlidingWindowSpec(sliding_window=s.window, **kw) if s.window
                            else FullAttentionSpec(**kw))
-        self.kv_cache_config = get_kv_cache_configs(vc, [specs], [64 << 20])[0]
+        self.kv_cache_config = get_kv_cache_configs(vc, [specs], [kv_mib << 20])[0]
         block, self.hash_block = resolve_kv_cache_block_sizes(self.kv_cache_config, vc)
         hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)

@@ -197,3 +197,37 @@ def test_moves_built_from_a_plan_drive_the_kernel():
     _triton(True)(group, caches, got, moves)
     torch_gather(group, caches, want, moves)
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("n,layers,pieces,offset", [(1, 3, 1, 0), (2, 3, 2, 0), (3, 1, 1, 0),
+                                                    (4, 2, 1, 1)])
+def test_launch_signature_is_tritons_key(n, layers, pieces, offset):
+    """`BlockCopy.signature` gives every argument what Triton's own specialisation gives
+    it (the oracle: triton's native_specialize_impl, as its launcher calls it): an odd
+    number of moves leaves the chunk numbers unaligned, one layer is a constant, a chunk
+    object off a 16-byte boundary is unaligned."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from gemma4_kv.kernels import BlockCopy
+    from gemma4_kv.kernels.copy_blocks import NOT_SPECIALISED
+    from gemma4_kv.kernels.launch import KERNEL_PARAMETERS
+    from gemma4_kv.layout.plan import ChunkBlocks
+
+    group = make_group(layers, 2, 8, 16, torch.bfloat16)
+    caches = make_paged(layers, 10, 2, 8, 16, torch.bfloat16, "LBNHC", "cpu", pieces)
+    moves = BlockMoves.from_chunks([ChunkBlocks(0, 0, tuple(range(1, n + 1)), tuple(range(n)))])
+    shape = group.chunk_shape(32)
+    flat = torch.empty(torch.Size(shape).numel() + 8, dtype=torch.bfloat16)
+    chunk = flat[offset:offset + torch.Size(shape).numel()].view(shape)
+    copy = BlockCopy(caches, [chunk], moves.block_ids, moves.chunk_index, moves.slots,
+                     block_size=8, head_size=16, to_chunk=True)
+    for sub in (None, range(layers - 1, layers)):
+        args = copy.arguments(sub)
+        want = [native_specialize_impl(BaseBackend, a, False, name not in NOT_SPECIALISED,
+                                       True) for name, a in zip(KERNEL_PARAMETERS, args)]
+        assert list(copy.signature(sub)[0]) == want
+        assert copy.signature(sub) == copy.signature()  # the layer range is not keyed on
+    assert (want[KERNEL_PARAMETERS.index("chunk_index")][1] == "D") == (n % 2 == 0)
+    assert (want[KERNEL_PARAMETERS.index("chunk_base")][1] == "D") == (offset == 0)
+    assert (want[KERNEL_PARAMETERS.index("num_layers")] == ("constexpr", 1)) == (layers == 1)

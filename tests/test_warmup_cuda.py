@@ -2,13 +2,15 @@
 (issue: the first rounds after start were slower than later ones). Counted, not timed:
 the Triton kernel's compiled variants and the checksum weights built, before and after
 saves staged through the staging buffer, saves straight to pinned memory and
-layer-by-layer loads of several sizes, on two groups of different geometry."""
+layer-by-layer loads of several sizes, on two groups of different geometry; the
+connector's own counter of launches warm-up did not cover (`cold_launches`) agrees."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from gemma4_kv.connector.metrics import Gemma4KVStats
 from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
 from gemma4_kv.layout.plan import ChunkBlocks
 from gemma4_kv.layout import integrity
@@ -39,7 +41,8 @@ def test_after_the_warm_up_real_saves_and_loads_compile_nothing():
     caches = {g.group_id: make_paged(len(g.layers), 40, g.num_kv_heads, g.block_size,
                                      g.head_size, g.dtype, "LBNHC", dev, 1, gen)
               for g in LAYOUT.groups}
-    transfer, pool = Transfer(dev, 32), StagingPool(16 << 20, dev)
+    stats = Gemma4KVStats()
+    transfer, pool = Transfer(dev, 32, stats), StagingPool(16 << 20, dev)
     warm_up(transfer, LAYOUT, caches, CHUNK, pool)
     variants, weights = compiled(), integrity._weights[str(dev)].numel()
     assert variants > 0
@@ -62,4 +65,5 @@ def test_after_the_warm_up_real_saves_and_loads_compile_nothing():
             transfer.load_by_layer({g.group_id: (g, caches[g.group_id], [o for o, _, _ in objs],
                                                  plan)}, order).done.synchronize()
     assert compiled() == variants
+    assert stats.data.get("cold_launches", 0) == 0  # the counter agrees with Triton
     assert integrity._weights[str(dev)].numel() == weights

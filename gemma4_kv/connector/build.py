@@ -70,7 +70,7 @@ def build_worker(vllm_config, kv_cache_config, settings: ConnectorSettings,
                             f"cannot be used: {e}; fix: start the README's `lmcache "
                             "server` command line (LMCache 0.5.6, on this host) or "
                             "remove the key") from None
-    transfer = Transfer(device, settings.num_programs)
+    transfer = Transfer(device, settings.num_programs, stats)
     pool = StagingPool(settings.staging_mb << 20, device) if transfer.cuda else None
     record = StatsFile(settings.stats_file, layout, rank)
     record.layout_event(fp.name)

@@ -40,6 +40,8 @@ COUNTERS = {
     "l2_fetches_not_worth_it": ("L2 fetches not asked for: slower than recomputing", None),
     "l2_lookups_paused": ("Lookups that skipped L2 during a pause after repeated give-ups",
                           None),
+    "cold_launches": ("Kernel launches of a signature the start-up warm-up did not compile "
+                      "(the first of each compiles in a request's time)", None),
     # in microseconds: vLLM's LLM.get_metrics() reads counters as integers
     "scheduler_us": ("Host time of the scheduler half in vLLM's calls, microseconds", None),
     "scheduler_steps": ("Steps the scheduler half planned", None),

@@ -170,10 +170,12 @@ class ConnectorScheduler:
             st = self._requests.get(req_id)
             if st is None or req_id not in computed:
                 continue
-            if self._state(st.request) is None:  # reset while in flight: stop saving
-                continue
             st.impure.update(self.drafts.impure_chunks(
                 computed[req_id], scheduled, st.request.num_tokens, drafter_skipped))
+            if (computed[req_id] + scheduled) // self.chunk_size <= st.next_chunk:
+                continue  # no chunk can complete in this step (most decode steps)
+            if self._state(st.request) is None:  # reset while in flight: stop saving
+                continue
             done = st.chunks_done(computed[req_id], scheduled, self.save_generated)
             if done <= st.next_chunk:
                 continue

@@ -7,12 +7,15 @@ LMCache's own (`lmcache/v1/memory_management.py`, `MemoryFormat.KV_2LTD`).
 
 `torch_gather` / `torch_scatter` are the plain-torch reference: the oracle of the
 Triton kernel and the path on any device but CUDA. `gather` / `scatter` pick the
-Triton kernel when the caches are CUDA tensors.
+Triton kernel when the caches are CUDA tensors. Either way they tell `Launches` the
+signature of the launch (the key Triton compiles under), so what the start-up warm-up
+leaves to compile in a request's time is counted, on CUDA and off it alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +51,31 @@ class BlockMoves:
 
     def __len__(self) -> int:
         return self.block_ids.numel()
+
+
+class Launches:
+    """Signatures of the kernel launches made (or, off CUDA, that would be made).
+    Those seen while `warming` are covered; a later launch of another signature makes
+    Triton compile in a request's time, and counts in `stats` as `cold_launches`."""
+
+    def __init__(self, stats=None):
+        self.stats = stats
+        self.covered: set[tuple] = set()
+        self._warming = False
+
+    @contextmanager
+    def warming(self):
+        self._warming = True
+        try:
+            yield
+        finally:
+            self._warming = False
+
+    def record(self, signature: tuple) -> None:
+        if self._warming:
+            self.covered.add(signature)
+        elif signature not in self.covered and self.stats is not None:
+            self.stats.add("cold_launches", 1)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -115,26 +143,32 @@ def torch_scatter(group: KVGroup, caches: Sequence[torch.Tensor],
                 view[b, :, :, :, kv * hd:(kv + 1) * hd] = src.to(cache.device)
 
 
-def _use_triton(caches: Sequence[torch.Tensor], group: KVGroup) -> bool:
+def _kernel_fits(group: KVGroup) -> bool:
     hd = group.head_size
-    return caches[0].is_cuda and hd & (hd - 1) == 0
+    return hd & (hd - 1) == 0
+
+
+def _use_triton(caches: Sequence[torch.Tensor], group: KVGroup) -> bool:
+    return caches[0].is_cuda and _kernel_fits(group)
 
 
 def gather(group: KVGroup, caches: Sequence[torch.Tensor], chunks: Sequence[torch.Tensor],
-           moves: BlockMoves, num_programs: int | None = None) -> None:
+           moves: BlockMoves, num_programs: int | None = None,
+           launches: Launches | None = None) -> None:
     """Caches -> chunk objects; the Triton kernel on CUDA, the reference elsewhere."""
-    _move(group, caches, chunks, moves, num_programs, to_chunk=True)
+    _move(group, caches, chunks, moves, num_programs, launches, to_chunk=True)
 
 
 def scatter(group: KVGroup, caches: Sequence[torch.Tensor], chunks: Sequence[torch.Tensor],
-            moves: BlockMoves, num_programs: int | None = None) -> None:
+            moves: BlockMoves, num_programs: int | None = None,
+            launches: Launches | None = None) -> None:
     """Chunk objects -> caches; the Triton kernel on CUDA, the reference elsewhere."""
-    _move(group, caches, chunks, moves, num_programs, to_chunk=False)
+    _move(group, caches, chunks, moves, num_programs, launches, to_chunk=False)
 
 
 def scatter_by_layer(group: KVGroup, caches: Sequence[torch.Tensor],
                      chunks: Sequence[torch.Tensor], moves: BlockMoves,
-                     num_programs: int | None = None):
+                     num_programs: int | None = None, launches: Launches | None = None):
     """Chunk objects -> caches, one layer at a time: returns `load(position)` that
     queues layer `caches[position]`'s copy on the current stream. Without the Triton
     kernel, the first call scatters every layer."""
@@ -145,11 +179,18 @@ def scatter_by_layer(group: KVGroup, caches: Sequence[torch.Tensor],
 
         def load_all(position: int) -> None:
             if not done:
-                scatter(group, caches, chunks, moves)
+                scatter(group, caches, chunks, moves, launches=launches)
                 done.append(position)
         return load_all
     copy = _block_copy(group, caches, chunks, moves, num_programs, to_chunk=False)
-    return lambda position: copy.launch(range(position, position + 1))
+    # The layer range is not specialised on: one signature for every layer's launch.
+    signature = copy.signature(range(0, 1)) if launches is not None else None
+
+    def load(position: int) -> None:
+        if launches is not None:
+            launches.record(signature)
+        copy.launch(range(position, position + 1))
+    return load
 
 
 def _block_copy(group, caches, chunks, moves, num_programs, *, to_chunk: bool):
@@ -163,10 +204,15 @@ def _block_copy(group, caches, chunks, moves, num_programs, *, to_chunk: bool):
                      to_chunk=to_chunk, **kw)
 
 
-def _move(group, caches, chunks, moves, num_programs, *, to_chunk: bool) -> None:
+def _move(group, caches, chunks, moves, num_programs, launches, *, to_chunk: bool) -> None:
     if not len(moves):
         return
+    copy = None
+    if _kernel_fits(group) and (launches is not None or caches[0].is_cuda):
+        copy = _block_copy(group, caches, chunks, moves, num_programs, to_chunk=to_chunk)
+        if launches is not None:
+            launches.record(copy.signature())
     if not _use_triton(caches, group):
         (torch_gather if to_chunk else torch_scatter)(group, caches, chunks, moves)
         return
-    _block_copy(group, caches, chunks, moves, num_programs, to_chunk=to_chunk).launch()
+    copy.launch()

@@ -28,7 +28,7 @@ import torch
 
 from ..layout import integrity
 from ..layout.groups import KVGroup
-from .mover import BlockMoves, gather, scatter, scatter_by_layer
+from .mover import BlockMoves, Launches, gather, scatter, scatter_by_layer
 from ..layout.plan import ChunkBlocks
 from .staging import StagingPool
 
@@ -49,10 +49,11 @@ class QueuedLoads:
 
 
 class Transfer:
-    def __init__(self, device: torch.device, num_programs: int):
+    def __init__(self, device: torch.device, num_programs: int, stats=None):
         self.device = device
         self.num_programs = num_programs
         self.cuda = device.type == "cuda"
+        self.launches = Launches(stats)
         self.side_stream = torch.cuda.Stream(device) if self.cuda else None
         # Separate from the save stream: a load must not queue behind earlier saves.
         self.load_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -61,7 +62,8 @@ class Transfer:
              objects: Sequence[torch.Tensor], plan: Sequence[ChunkBlocks]) -> None:
         """Not CUDA: fill the planned blocks from store objects (`objects[k]` for
         `plan[k]`) now, with the torch mover."""
-        scatter(group, caches, objects, BlockMoves.from_chunks(plan, self.device))
+        scatter(group, caches, objects, BlockMoves.from_chunks(plan, self.device),
+                launches=self.launches)
 
     def load_by_layer(self, loads: dict[int, tuple],
                       order: Sequence[tuple[int, int]]) -> QueuedLoads:
@@ -80,7 +82,7 @@ class Transfer:
                     objects = [o.to(self.device, non_blocking=True) for o in objects]
                 layer_loaders[gid] = scatter_by_layer(
                     group, caches, objects, BlockMoves.from_chunks(plan, self.device),
-                    self.num_programs)
+                    self.num_programs, self.launches)
             for gid, position in order:
                 if gid in layer_loaders:
                     layer_loaders[gid](position)
@@ -99,18 +101,19 @@ class Transfer:
         moves = BlockMoves.from_chunks(plan, self.device)
         kv = [o[0] for o in objects]
         if not self.cuda:
-            gather(group, caches, kv, moves)
+            gather(group, caches, kv, moves, launches=self.launches)
             return [], list(objects)
         shape, dtype = kv[0].shape, kv[0].dtype
         nbytes = len(kv) * kv[0].numel() * kv[0].element_size()
         region = pool.take(nbytes) if pool is not None else None
         if region is None:  # no staging room: the kernel writes pinned memory directly
-            gather(group, caches, kv, moves)
+            gather(group, caches, kv, moves, launches=self.launches)
             # on the compute stream: `fence` (the side stream's) must come after it too
             self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
             return [moves], list(objects)
         staging = region.view(dtype).view(len(kv), *shape)
-        gather(group, caches, list(staging), moves)  # device bandwidth: the full grid
+        # device bandwidth: the full grid
+        gather(group, caches, list(staging), moves, launches=self.launches)
         seals = integrity.seal_many(staging, [o[2] for o in objects])
         gathered = torch.cuda.current_stream(self.device).record_event()
         self.side_stream.wait_event(gathered)
