@@ -43,7 +43,7 @@ part_checks() {  # the CUDA tests and the end-to-end cases, side by side
 part_cuda() {
   local d=$R/checks && mkdir -p $d
   timeout 200 python3 -P -m pytest -q -x tests/test_mover.py tests/test_integrity.py tests/test_warmup_cuda.py \
-    tests/test_staging.py tests/test_mp_server_cuda.py "tests/test_mp_server.py::test_on_a_gpu_a_hit_is_loaded_from_its_verified_copy_and_the_locks_go" \
+    tests/test_staging.py tests/test_staging_fallback.py tests/test_mp_server_cuda.py "tests/test_mp_server.py::test_on_a_gpu_a_hit_is_loaded_from_its_verified_copy_and_the_locks_go" \
     tests/test_engine_identity.py::test_runtime_identity_reads_the_gpu > $d/pytest_cuda.log 2>&1
   tail -1 $d/pytest_cuda.log
 }

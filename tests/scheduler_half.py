@@ -15,28 +15,56 @@ RETENTION = 512
 BLOCK = 32  # sliding groups get 64-token blocks, full ones 32: the hit multiple is 64
 
 
+def engine_configs(model_dir, extra: dict, ranks: int = 1, kv_mib: int = 64, **engine):
+    """(VllmConfig, KVCacheConfig) of a CPU engine over the model in `model_dir` with the
+    connector's `extra` config (`engine`: more vLLM EngineArgs), as the engine core
+    builds them, with `kv_mib` of KV cache; the scheduler half asks one lookup socket
+    per rank."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from gemma4_kv.layout.from_hf import layer_specs
+
+    args = dict(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
+                dtype="float32", max_model_len=4096, block_size=BLOCK,
+                kv_transfer_config=KVTransferConfig(
+                    kv_connector="Gemma4KVConnector",
+                    kv_connector_module_path="gemma4_kv.connector",
+                    kv_role="kv_both", kv_connector_extra_config=extra))
+    vc = EngineArgs(**{**args, **engine}).create_engine_config()
+    vc.cache_config.kv_cache_layout = "LBHNC"  # what the engine core picks on CPU
+    vc.parallel_config.tensor_parallel_size = ranks
+    specs = {}
+    for name, s in layer_specs(vc.model_config.hf_text_config, dtype=torch.float32,
+                               block_size=BLOCK)[0].items():
+        kw = dict(block_size=BLOCK, num_kv_heads=s.num_kv_heads, head_size=s.head_size,
+                  dtype=torch.float32)
+        specs[name] = (SlidingWindowSpec(sliding_window=s.window, **kw) if s.window
+                       else FullAttentionSpec(**kw))
+    return vc, get_kv_cache_configs(vc, [specs], [kv_mib << 20])[0]
+
+
 class SchedulerHalf:
     """The connector in vLLM's SCHEDULER role with `ranks` worker ranks' stores and lookup
     services; `serve` plays one request through vLLM's call order (lookup, allocate,
     update_state_after_alloc, build_connector_meta, request_finished) and does every
-    rank's part of the step (`work`)."""
+    rank's part of the step (`work`). With `serve_ranks=False` no rank is served here
+    (a test puts real workers behind the lookup sockets); `engine`: more EngineArgs."""
 
     def __init__(self, model_dir, ranks: int = 1, extra: dict | None = None,
-                 kv_mib: int = 64):
-        from vllm.config import KVTransferConfig
+                 serve_ranks: bool = True, engine: dict | None = None, kv_mib: int = 64):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-        from vllm.engine.arg_utils import EngineArgs
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.core.kv_cache_utils import (get_kv_cache_configs, get_request_block_hasher,
-                                                 init_none_hash, resolve_kv_cache_block_sizes)
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+        from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, init_none_hash,
+                                                 resolve_kv_cache_block_sizes)
 
         from gemma4_kv.config.settings import ConnectorSettings
         from gemma4_kv.connector import Gemma4KVConnector
         from gemma4_kv.connector.metrics import Gemma4KVStats
         from gemma4_kv.keys.engine import fingerprint
-        from gemma4_kv.layout.from_hf import layer_specs
         from gemma4_kv.layout.groups import from_vllm
         from gemma4_kv.lookup.channel import LookupServer
         from gemma4_kv.lookup.service import LookupService
@@ -44,24 +72,10 @@ class SchedulerHalf:
         from gemma4_kv.stores.factory import open_store
 
         extra = {"cpu_gb": 0.25, "retention_interval": RETENTION, **(extra or {})}
-        vc = EngineArgs(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
-                        dtype="float32", max_model_len=4096, block_size=BLOCK,
-                        kv_transfer_config=KVTransferConfig(
-                            kv_connector="Gemma4KVConnector",
-                            kv_connector_module_path="gemma4_kv.connector",
-                            kv_role="kv_both", kv_connector_extra_config=extra),
-                        ).create_engine_config()
-        vc.cache_config.kv_cache_layout = "LBHNC"  # what the engine core picks on CPU
-        # The scheduler half asks one lookup socket per tensor-parallel rank.
-        vc.parallel_config.tensor_parallel_size = ranks
-        cfg = self.text_config = vc.model_config.hf_text_config
-        specs = {}
-        for name, s in layer_specs(cfg, dtype=torch.float32, block_size=BLOCK)[0].items():
-            kw = dict(block_size=BLOCK, num_kv_heads=s.num_kv_heads, head_size=s.head_size,
-                      dtype=torch.float32)
-            specs[name] = (SlidingWindowSpec(sliding_window=s.window, **kw) if s.window
-                           else FullAttentionSpec(**kw))
-        self.kv_cache_config = get_kv_cache_configs(vc, [specs], [kv_mib << 20])[0]
+        vc, self.kv_cache_config = engine_configs(model_dir, extra, ranks, kv_mib,
+                                                  **(engine or {}))
+        self.vllm_config = vc
+        self.text_config = vc.model_config.hf_text_config
         block, self.hash_block = resolve_kv_cache_block_sizes(self.kv_cache_config, vc)
         hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
@@ -69,7 +83,7 @@ class SchedulerHalf:
         self.layout = from_vllm(self.kv_cache_config)
         settings = ConnectorSettings.from_extra_config(extra)
         self.stores, self.services, self.servers = [], [], []
-        for rank in range(ranks):
+        for rank in range(ranks if serve_ranks else 0):
             store = open_store(settings.store_config(), self.layout,
                                fingerprint(self.layout, model="tiny", chunk_size=CHUNK,
                                            tp_rank=rank, tp_size=ranks), CHUNK)
@@ -79,7 +93,8 @@ class SchedulerHalf:
             self.servers.append(LookupServer(
                 socket_address(vc.kv_transfer_config.engine_id, os.getpid(), rank),
                 service.handle))
-        self.store, self.lookups = self.stores[0], self.services[0]
+        self.store, self.lookups = (self.stores[0], self.services[0]) if serve_ranks else \
+            (None, None)
         self.kvm = KVCacheManager(self.kv_cache_config, max_model_len=4096,
                                   scheduler_block_size=block, hash_block_size=self.hash_block,
                                   enable_caching=False)

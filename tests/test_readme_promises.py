@@ -1,0 +1,128 @@
+"""Behaviour the README promises, each through the real parts: the connector's
+scheduler half on two real lookup ranks (tests/scheduler_half.py: vLLM's VllmConfig,
+KVCacheManager, Request and block hasher; per rank a real LookupService and
+EmbeddedStore behind a real lookup socket), and LMCache's real disk tier."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from needs import require
+from scheduler_half import CHUNK, SchedulerHalf
+
+require("vllm")
+pytestmark = pytest.mark.vllm
+
+_rng = random.Random(25)
+PROMPT = [_rng.randrange(3, 500) for _ in range(1100)]
+HIT = 1024  # 4 full chunks of 256; the prompt's last token is computed by vLLM
+NONE = [set(), set()]
+
+
+@pytest.fixture(scope="module")
+def half(tmp_path_factory):
+    from gemma4_kv.tools.harness import save_config, tiny_gemma4_config
+
+    model = save_config(tiny_gemma4_config(window=100), tmp_path_factory.mktemp("model"))
+    h = SchedulerHalf(model, ranks=2)
+    yield h
+    h.close()
+
+
+def _request(half, rid: str, tokens, **sampling):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(rid, tokens, SamplingParams(max_tokens=1, **sampling), None,
+                   block_hasher=half.block_hasher)
+
+
+# -- "requests with skip_reading_prefix_cache ... (they are still stored)" ---------------
+
+def test_a_request_that_skips_reading_cached_kv_is_still_stored(half):
+    """vLLM's SamplingParams(skip_reading_prefix_cache=True): the connector offers no
+    hit and pins nothing, even where the chunks are stored, but stores the chunks the
+    request computes: a later request without the flag hits all 4 of them."""
+    prompt = [t + 1 for t in PROMPT]  # keys of its own
+    first = _request(half, "skip-1", prompt, skip_reading_prefix_cache=True)
+    assert first.skip_reading_prefix_cache
+    hit, meta = half.serve(first)
+    assert hit == 0 and not meta.loads
+    assert len(half.saved["skip-1"]) == HIT // CHUNK  # chunks 0-3 stored
+    again = _request(half, "skip-2", prompt, skip_reading_prefix_cache=True)
+    assert half.connector.get_num_new_matched_tokens(again, 0) == (0, False)
+    assert half.pinned() == NONE  # asked nothing, pinned nothing
+    half.connector.request_finished_all_groups(again, ((),) * len(half.layout.groups))
+    hit, meta = half.serve(_request(half, "reads", prompt))
+    assert hit == HIT and [(j.start, j.hit) for j in meta.loads] == [(0, HIT)]
+    assert half.pinned() == NONE
+
+
+# -- "returns True only once every rank has" ---------------------------------------------
+
+def test_reset_cache_is_false_while_a_rank_fails_and_true_once_every_rank_resets(half):
+    """A rank that does not answer (its lookup socket gone: a dead or hung worker) makes
+    `reset_cache` False, which vLLM's `reset_prefix_cache` returns; with every rank
+    answering it is True and the prompt stored before misses."""
+    from gemma4_kv.lookup.channel import LookupServer
+
+    prompt = [t + 2 for t in PROMPT]
+    assert half.serve(half.request(prompt))[0] == 0
+    assert half.serve(half.request(prompt))[0] == HIT
+    address = half.servers[1].address
+    half.servers[1].close()
+    try:
+        assert half.connector.reset_cache() is False
+    finally:
+        half.servers[1] = LookupServer(address, half.services[1].handle)
+    assert half.connector.reset_cache() is True
+    assert half.serve(half.request(prompt))[0] == 0  # new generation: nothing old hits
+    assert half.pinned() == NONE
+
+
+# -- "disk_gb ... GiB of the disk tier ..., LRU eviction" --------------------------------
+
+def test_the_disk_tier_evicts_the_oldest_chunks_at_disk_gb(tmp_path):
+    """40 chunks of 4 KiB (one full-attention group) written to a disk tier of 64 KiB,
+    one request after the other, while the CPU tier holds them all: LMCache's L2
+    eviction deletes the least recently stored files until the tier fits in
+    `disk_gb`; the newest chunks stay on disk."""
+    import torch
+
+    from model_keys import chunk_hashes
+    from gemma4_kv.keys.engine import fingerprint
+    from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
+    from gemma4_kv.stores.embedded import EmbeddedStore, StoreConfig
+    from test_store import put, wait_for
+
+    small = 32
+    layout = KVLayout((KVGroup(0, AttentionKind.FULL, None, 32, 1, 32, 32, torch.bfloat16,
+                               ("c",)),))
+    cap = 64 << 10
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    s = EmbeddedStore(layout, fingerprint(layout, model="tiny", chunk_size=small), small,
+                      StoreConfig(cpu_bytes=4 << 20, disk_path=str(disk),
+                                  disk_gb=cap / (1 << 30)))
+    try:
+        gen = torch.Generator().manual_seed(3)
+        chain = chunk_hashes(list(range(40 * small)), small)
+
+        def on_disk():
+            return {p.name.split("@")[3].removesuffix(".data"): p.stat().st_size
+                    for p in disk.rglob("*") if p.is_file()}
+
+        # Bounded waits: LMCache writes and evicts in background threads. Each chunk
+        # lands before the next is written, so the tier's LRU order is the write order.
+        for i in range(len(chain)):
+            put(s, chain[:i + 1], gen, groups=(0,), first=i, req=f"r{i}")
+            wait_for(lambda: chain[i].hex() in on_disk())
+        wait_for(lambda: sum(on_disk().values()) <= cap, timeout=60)
+        files = on_disk()
+        assert 0 < len(files) < len(chain)
+        kept = [i for i, h in enumerate(chain) if h.hex() in files]
+        assert kept == list(range(len(chain) - len(kept), len(chain))), kept  # the newest
+    finally:
+        s.close()
