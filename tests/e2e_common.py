@@ -21,7 +21,7 @@ import gates
 from gemma4_kv.tools.harness import save_config, tiny_gemma4_config
 from gemma4_kv.layout.from_hf import hf_layout
 from model_keys import chunk_hashes
-from gemma4_kv.layout.plan import hit_ends, needed_blocks, retained_chunks
+from gemma4_kv.layout.plan import hit_ends, retained_chunks
 from model_keys import max_servable_hit
 
 CHUNK = 256
@@ -50,21 +50,54 @@ def tiny_assistant_config(target, *, layers: int = 4, hidden: int = 64):
     return cfg
 
 def prompts():
+    """The prompts every end-to-end engine runs; `HITS` says what each must hit."""
     rng = random.Random(0)
     base = [rng.randrange(3, 500) for _ in range(1100)]
     other = [rng.randrange(3, 500) for _ in range(700)]
     return [
-        base,                        # cold: stores chunks 0-3
-        base,                        # same prompt: hit 1024 (P - 1 = 1099)
-        base[:768],                  # 3 whole stored chunks, P - 1 = 767: the hit ends
-                                     # inside chunk 2, on a block boundary
-        base[:600] + other[:300],    # shares 600 tokens, off a chunk boundary: hit 512
-        base[:513],                  # P - 1 = 512, on a chunk boundary: hit 512
-        base[:200] + other[:400],    # shares less than a chunk: no hit
-        base[:256] + other[:44],     # shares exactly one chunk: hit 256
-        base + other,                # longer: hit 1024, then stores chunks 4-6
-        base + other,                # hit 1792
+        base,                        # cold
+        base,                        # the same prompt again
+        base[:768],                  # 3 stored chunks; P - 1 = 767 ends inside chunk 2
+        base[:600] + other[:300],    # shares 600 tokens, off a chunk boundary
+        base[:513],                  # P - 1 = 512, on a chunk boundary
+        base[:200] + other[:400],    # shares less than a chunk
+        base[:256] + other[:44],     # shares exactly one chunk
+        base + other,                # longer: its chunks 4-6 are new
+        base + other,                # the same again
     ]
+
+
+# What `prompts()` must hit, derived by hand (not by the planner) for chunk 256,
+# retention 512 and a hit multiple m (the largest block size: 64 on the CPU build,
+# 32 on the GPU) that never moves a limit below the stored chunks used here. A hit
+# is at most L = (P - 1) // m * m and at most the prompt's whole chunks; full groups
+# need every chunk before it, a sliding group of window W the chunks holding tokens
+# [hit - W + 1, hit). Full groups store every chunk; sliding groups only the windows
+# before the request's hit ends: multiples of 512, its last whole chunk, and L.
+#
+# W = 100 (one chunk before any end):
+#   base       0     stores full 0-3, sliding 1 (end 512) and 3 (end 1024)
+#   base       1024
+#   base[:768] 512   L = 704 (736 on GPU) needs sliding chunk 2: not stored.
+#                    Stores sliding 2 (ends 704, 768)
+#   +other     512   chunk 2 differs; stores full and sliding 2' (end 768)
+#   base[:513] 512   L = 512
+#   +other     0     chunk 0 differs; stores full 0'', 1'', sliding 1'' (end 512)
+#   base[:256] 0     256 needs sliding chunk 0 of base: no end at 256 so far.
+#                    Stores sliding 0 (its last whole chunk)
+#   base+other 1024  chunk 4 is new; stores full 4-6, sliding 5, 6 (ends 1536, 1792)
+#   base+other 1792  L = 1792
+#   stored: 4 + 1 + 2 + 3 = 10 chunks per full group, 2+1+1+1+1+2 = 8 per sliding one.
+# W = 512 (two chunks before an end >= 512, the first one before 256):
+#   base 0 (stores full and sliding 0-3), base 1024, base[:768] 736 (L = 736 on GPU,
+#   sliding 0-2 stored), +other 512 (stores full and sliding 2'), base[:513] 512,
+#   +other 0 (stores full and sliding 0'', 1''), base[:256] 256 (sliding chunk 0 was
+#   stored for the end 512), base+other 1024 (stores full and sliding 4-6), 1792.
+#   stored: 4 + 1 + 2 + 3 = 10 chunks per group of either kind.
+HITS = {100: [0, 1024, 512, 512, 512, 0, 0, 1024, 1792],
+        512: [0, 1024, 736, 512, 512, 0, 256, 1024, 1792]}
+STORED_CHUNKS = {100: {"full": 10, "sliding": 8}, 512: {"full": 10, "sliding": 10}}
+"""Objects stored per group of each kind, by sliding window (see `HITS`)."""
 
 
 def run_engine(tmp_path, name, model, **kw):
@@ -471,14 +504,18 @@ def expected_store(layout, retention=RETENTION):
     return hits, stored
 
 
-def check_against_plan(cfg, events, out, base, *, dtype, block_size, assistant=None,
-                       retention=RETENTION):
+def check_against_plan(cfg, events, out, base, *, dtype, block_size, page_bytes,
+                       assistant=None):
+    """The connector's run of `prompts()` against recomputation and what `HITS` derives
+    by hand: hits, blocks and bytes loaded per group, objects saved. `page_bytes`: every
+    group's page (vLLM makes them equal), worked out by hand from the config."""
     layout = hf_layout(cfg, assistant_config=assistant, dtype=dtype, block_size=block_size)
     # The worker built its descriptors from vLLM's real KVCacheConfig and tensors:
     # they must be the groups we predict from the config, KV-shared aliases included.
     (real,) = [e for e in events if e["event"] == "layout"]
+    groups = real["groups"]
     assert [(g["kind"], g["window"], g["block_size"], g["layers"], g["aliases"])
-            for g in real["groups"]] == [
+            for g in groups] == [
         (g.kind.value, g.window, g.block_size, list(g.layers),
          [a for a, _ in g.aliases if not a.startswith("draft_model.") or assistant])
         for g in layout.groups]
@@ -486,25 +523,32 @@ def check_against_plan(cfg, events, out, base, *, dtype, block_size, assistant=N
     differing = [(i, hits_i, a, b) for i, (hits_i, a, b) in
                  enumerate(zip(out["cached"], out["outputs"], base["outputs"])) if a != b]
     assert not differing, f"greedy tokens differ from recomputation: {differing}"
-    hits, stored = expected_store(layout, retention)
+    hits = HITS[cfg.sliding_window]
     assert out["cached"] == hits
     assert base["cached"] == [0] * len(hits)
+    # The planner agrees with the hand derivation (a clearer message if it drifts).
+    assert expected_hits(layout) == hits
 
     loads = [e for e in events if e["event"] == "load"]
     assert [e["end"] for e in loads] == [h for h in hits if h]
     for e in loads:
-        for g in layout.groups:
-            blocks = len(needed_blocks(g, 0, e["end"]))
-            assert e["groups"][str(g.group_id)] == {
-                "blocks": blocks, "bytes": blocks * g.page_bytes * len(g.layers)}
-    # Sliding groups load only their window, never the whole prefix.
-    for g in layout.groups:
-        if g.window:
-            most = -(-(g.window - 1) // g.block_size) + 1
-            assert all(e["groups"][str(g.group_id)]["blocks"] <= most for e in loads)
-    # Every object the model stores is saved exactly once, and nothing else.
-    assert saved_blocks(events) == Counter({g.group_id: sum(1 for _, gid in stored if gid == g.group_id)
-                             * (CHUNK // g.block_size) for g in layout.groups})
+        for gid, g in enumerate(groups):
+            blocks = _blocks_for_hit(g["block_size"], g["window"], e["end"])
+            assert e["groups"][str(gid)] == {
+                "blocks": blocks, "bytes": blocks * page_bytes * len(g["layers"])}
+    # Every object the hand derivation stores is saved exactly once, and nothing else.
+    chunks = STORED_CHUNKS[cfg.sliding_window]
+    assert saved_blocks(events) == Counter({
+        gid: chunks["full" if g["window"] is None else "sliding"] * CHUNK // g["block_size"]
+        for gid, g in enumerate(groups)})
+
+
+def _blocks_for_hit(block_size: int, window: int | None, hit: int) -> int:
+    """Blocks a group loads for a hit of `hit` tokens: all of them for full attention;
+    for a window W those from the one holding token hit - W + 1 on (vLLM's
+    SlidingWindowManager frees the blocks wholly before it)."""
+    first = 0 if window is None else max(0, hit - window + 1) // block_size
+    return hit // block_size - first
 
 
 def mtp_case_runs(tmp_path, *, engine, env=None, preload=()) -> dict:

@@ -19,7 +19,9 @@ B's lookups come after A has finished, and A restarted is another process than A
 
 from __future__ import annotations
 
+import hashlib
 import random
+import struct
 import threading
 import time
 from pathlib import Path
@@ -27,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from e2e_common import (CHUNK, RETENTION, check_against_plan, expected_store, finish_engine,
+from e2e_common import (CHUNK, RETENTION, check_against_plan, finish_engine,
                         prompts, save_config, start_engine, tiny_gemma4_config)
 from gemma4_kv.layout.from_hf import hf_layout
 from gemma4_kv.keys.request import chunk_keys
@@ -176,6 +178,53 @@ def wire_keys(fingerprint: str, objects: set) -> set[str]:
     return {f"{fingerprint}@{0:08x}@{g:x}@{h.hex()}" for h, g in objects}
 
 
+# -- what the server holds, derived by hand ---------------------------------------------------
+def spec_keys(prompt) -> list[bytes]:
+    """Chunk keys of a plain token prompt, written from the encoding that
+    gemma4_kv/keys/request.py documents (generation "", no salt, adapter, multimodal
+    items or embeddings), not from its code."""
+    def f(tag: int, payload: bytes) -> bytes:
+        return struct.pack("<BQ", tag, len(payload)) + payload
+
+    prev = hashlib.sha256(b"gemma4-kv:request-keys:1\n" + f(1, b"") + f(2, b"")
+                          + f(3, b"")).digest()
+    keys = []
+    for start in range(0, len(prompt) // CHUNK * CHUNK, CHUNK):
+        ids = struct.pack(f"<{CHUNK}q", *prompt[start:start + CHUNK])
+        prev = hashlib.sha256(prev + f(16, ids) + f(17, b"") + f(18, b"")).digest()
+        keys.append(prev)
+    return keys
+
+
+def hand_objects(events, full, sliding) -> set:
+    """(key, group) objects: chunks `full` ((prompt, chunk) pairs) in every
+    full-attention group, `sliding` in every sliding one; the kinds of the groups as
+    the worker reports vLLM's KVCacheConfig."""
+    (layout,) = [e for e in events if e["event"] == "layout"]
+    out = set()
+    for gid, g in enumerate(layout["groups"]):
+        for prompt, c in (full if g["window"] is None else sliding):
+            out.add((spec_keys(prompt)[c], gid))
+    return out
+
+
+P = prompts()
+# The stored chunks of engine A's prompts, from e2e_common.HITS' derivation (window 100,
+# retention 512): full groups base + other's 0-6 (0-3 are base's), P[3]'s 2 and P[5]'s
+# 0 and 1; sliding groups 0 (base[:256]), 1 and 3 (base), 2 (base[:768]), 5 and 6
+# (base + other), P[3]'s 2 and P[5]'s 1: 10 objects per full group, 8 per sliding one.
+A_FULL = [(P[7], c) for c in range(7)] + [(P[3], 2), (P[5], 0), (P[5], 1)]
+A_SLIDING = [(P[7], c) for c in (0, 1, 2, 3, 5, 6)] + [(P[3], 2), (P[5], 1)]
+A_OBJECTS = 10 + 5 * 8  # the tiny model: 1 full group, 5 sliding ones
+# B hits BASE and BASE + OTHER entirely; THIRD (800 tokens: 3 chunks, L = 768, hit
+# ends 512 and 768) misses and stores full 0-2, sliding 1 and 2.
+B_FULL, B_SLIDING = [(THIRD, c) for c in range(3)], [(THIRD, 1), (THIRD, 2)]
+# The restarted server (empty) receives FIFTH's objects (600 tokens: 2 chunks, L = 576,
+# hit end 512: full 0-1, sliding 1); FOURTH's were stored while it was down, into the
+# CPU tier, and are not written again.
+RESTART_FULL, RESTART_SLIDING = [(FIFTH, 0), (FIFTH, 1)], [(FIFTH, 1)]
+
+
 def by_source(out: dict) -> list[dict]:
     """Per prompt, the tokens vLLM counted as cached by each source (`SOURCES` deltas)."""
     rows, last = [], {}
@@ -247,7 +296,7 @@ def runs(engine_pool):
         r["base_ttft"] = {p: t for p, (_, t) in ref.items()}
 
         r["a"], r["a_events"] = finish_engine(state.engines["a"])
-        r["keys_after_a"] = set(wire_keys_wait(server, len(expected_store(layout)[1])))
+        r["keys_after_a"] = set(wire_keys_wait(server, A_OBJECTS))
         r["b"], r["b_events"] = finish_engine(state.engines["b"])
         r["keys_after_b"] = set(server.keys())
 
@@ -303,11 +352,12 @@ def test_engine_a_stores_every_planned_object_in_the_server(runs):
     base = {"outputs": [r["expected"][tuple(p)] for p in prompts()],
             "cached": [0] * len(prompts())}
     check_against_plan(r["cfg"], r["a_events"], r["a"], base, dtype=torch.float32,
-                       block_size=BLOCK)
+                       block_size=BLOCK, page_bytes=16384)  # as in test_e2e_vllm.py
     tiers = Tiers(r["layout"], set())
     assert [tiers.run(p) for p in prompts()] == r["a"]["cached"]
-    assert len(tiers.server) == len(expected_store(r["layout"])[1])
-    assert r["keys_after_a"] == wire_keys(fingerprint_of(r["a_events"]), tiers.server)
+    after_a = hand_objects(r["a_events"], A_FULL, A_SLIDING)
+    assert len(after_a) == A_OBJECTS
+    assert r["keys_after_a"] == wire_keys(fingerprint_of(r["a_events"]), after_a)
 
 
 def test_engine_b_hits_what_a_stored_from_the_shared_tier(runs):
@@ -324,7 +374,9 @@ def test_engine_b_hits_what_a_stored_from_the_shared_tier(runs):
     assert sources[0] == {"disk": 1024}
     assert sources[1] == {"host": 1024, "disk": 768}  # chunks 0-3 were brought up before
     assert sources[2] == {}
-    assert r["keys_after_b"] == wire_keys(fingerprint_of(r["a_events"]), tiers.server)
+    after_b = (hand_objects(r["a_events"], A_FULL, A_SLIDING)
+               | hand_objects(r["b_events"], B_FULL, B_SLIDING))
+    assert r["keys_after_b"] == wire_keys(fingerprint_of(r["a_events"]), after_b)
 
 
 def test_engine_a_restarted_still_hits(runs):
@@ -359,7 +411,9 @@ def test_server_killed_mid_run_misses_within_ttft_bound_then_serves_again(runs):
     back = steps[4]
     assert back["cached"] == [tiers.run(p) for p in (FIFTH, FOURTH)] == [0, 512]
     assert not tokens_match(r, back, [FIFTH, FOURTH])
-    assert r["keys_after_restart"] == wire_keys(fingerprint_of(r["a2_events"]), tiers.server)
+    assert r["keys_after_restart"] == wire_keys(
+        fingerprint_of(r["a2_events"]),
+        hand_objects(r["a2_events"], RESTART_FULL, RESTART_SLIDING))
     # CPU tier emptied: FIFTH hits from the server, FOURTH (never in it) misses.
     assert steps[5]["result"] == [0]
     tiers.cpu = set()

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemma4_kv.layout.from_hf import hf_layout
-from e2e_common import (CHUNK, check_against_plan, check_mtp_case, mtp_case_runs, prompts,
+from e2e_common import (check_against_plan, check_mtp_case, mtp_case_runs, prompts,
                         run_engine, save_config, tiny_gemma4_config)
 from needs import require
 
@@ -21,7 +20,10 @@ pytestmark = pytest.mark.vllm
 BLOCK = 32  # vLLM --block-size: sliding groups get 64-token blocks, full ones 32
 WINDOW = 100  # smaller than every prompt and than a chunk
 ENGINE = {"dtype": "float32", "block_size": BLOCK}
-CHECK = {"dtype": torch.float32, "block_size": BLOCK}
+# Every group's page (vLLM makes them equal): a full layer's 32-token block of 1 KV
+# head of 64 float32 channels, K and V: 32 * 1 * 2 * 64 * 4 = 16384 bytes; a sliding
+# layer's (head 32) is 8192 at 32 tokens, so vLLM gives sliding groups 64-token blocks.
+CHECK = {"dtype": torch.float32, "block_size": BLOCK, "page_bytes": 16384}
 VARIANTS = ["plain", "kv_shared_chunked_prefill"]
 
 
@@ -92,9 +94,10 @@ def test_second_engine_reuses_kv_from_the_disk_tier(engine_pool):
     its hits from there."""
     cfg, producer, consumer, events = engine_pool.result((__name__, "disk"))
     assert producer["cached"] == [0] * len(prompts())
-    m = hf_layout(cfg, dtype=torch.float32, block_size=BLOCK).chunk_multiple
-    assert consumer["cached"] == [min(len(p) // CHUNK * CHUNK, (len(p) - 1) // m * m)
-                                  for p in prompts()]
+    # The producer stored each prompt's whole chunks and the windows before its own
+    # limit, so each hits min(its whole chunks, (P - 1) // 64 * 64):
+    # 1100 -> 1024, 768 -> 704, 900 -> 768, 513 -> 512, 600 -> 512, 300 -> 256, 1800 -> 1792.
+    assert consumer["cached"] == [1024, 1024, 704, 768, 512, 512, 256, 1792, 1792]
     assert consumer["outputs"] == producer["outputs"]
     assert not [e for e in events if e["event"] == "save"]
 

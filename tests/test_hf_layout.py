@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -47,6 +53,56 @@ def test_matches_vllm_grouping(shape, dtype, block_size):
         assert g.num_kv_heads == spec.num_kv_heads and g.head_size == spec.head_size
         assert g.page_bytes == spec.page_size_bytes
         assert (g.kind is AttentionKind.SLIDING) == (type(spec).__name__ == "SlidingWindowSpec")
+
+
+MODEL_SHAPES = ["gemma4-e4b-like", "gemma4-31b-like"]
+"""KV-shared layers (e4b) and K = V full layers with their own KV head count (31b)."""
+
+
+@pytest.fixture(scope="module")
+def vllm_model_layers(tmp_path_factory):
+    """{shape: {layer: ...}} as vLLM's own Gemma 4 model registers them
+    (tests/vllm_model_layers.py, a process of its own)."""
+    require("vllm")
+    tmp = tmp_path_factory.mktemp("vllm-model")
+    dirs = {}
+    for shape in MODEL_SHAPES:
+        cfg = load_text_config(bundled_config(shape))
+        cfg.architectures = ["Gemma4ForCausalLM"]
+        cfg.save_pretrained(tmp / shape)
+        dirs[shape] = str(tmp / shape)
+    tests = str(Path(__file__).parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "vllm_model_layers", "bfloat16", "16",
+                           *dirs.values()], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    out = json.loads(proc.stdout)
+    return {shape: out[d] for shape, d in dirs.items()}
+
+
+@pytest.mark.parametrize("shape", MODEL_SHAPES)
+def test_layer_specs_match_vllms_gemma4_model(vllm_model_layers, shape):
+    """`layer_specs` (which every layout here starts from) against the specs and
+    KV-sharing targets vLLM's own Gemma 4 model builds from the same config: windows,
+    KV heads, head sizes, which layers share whose KV."""
+    theirs = vllm_model_layers[shape]
+    cfg = load_text_config(bundled_config(shape))
+    specs, shared = layer_specs(cfg, dtype=torch.bfloat16, block_size=16)
+    assert set(theirs) == set(specs) | set(shared)
+    assert {n: v["target"] for n, v in theirs.items() if v["target"]} == shared
+    for name, s in specs.items():
+        v = theirs[name]
+        assert v["target"] is None
+        assert v["spec"] == ("SlidingWindowSpec" if s.kind is AttentionKind.SLIDING
+                             else "FullAttentionSpec"), name
+        assert (v["window"], v["num_kv_heads"], v["head_size"], v["dtype"]) == \
+            (s.window, s.num_kv_heads, s.head_size, str(s.dtype)), name
+    # The shapes exercise what differs between layers (not vacuous).
+    kinds = {v["spec"] for v in theirs.values()}
+    assert kinds == {"SlidingWindowSpec", "FullAttentionSpec"}
+    assert len({v["head_size"] for v in theirs.values()}) == 2
+    assert bool(shared) == (shape == "gemma4-e4b-like")
 
 
 def test_block_sizes_follow_page_unification():
