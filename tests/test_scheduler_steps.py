@@ -79,6 +79,41 @@ def test_an_abort_before_the_load_went_out_releases_on_every_rank(half):
     assert half.pinned() == NONE
 
 
+def _lookups(half) -> list[int]:
+    """Lookups each rank has answered so far (its service's own counter)."""
+    return [s.stats.data.get("lookups", 0) for s in half.services]
+
+
+def test_a_request_asked_again_before_it_allocates_is_not_looked_up_again(half):
+    """vLLM asks a waiting request again every step until it can allocate: the hit its
+    first ask pinned is offered again and no rank is asked (it released the pin and
+    pinned the same objects again); the load reads that first pin."""
+    r = half.request(PROMPT)
+    before = _lookups(half)
+    assert half.connector.get_num_new_matched_tokens(r, 0) == (HIT, False)
+    assert half.connector.get_num_new_matched_tokens(r, 0) == (HIT, False)
+    assert [n - b for n, b in zip(_lookups(half), before)] == [1, 1]
+    hit, meta = half.schedule(r, hit=HIT)
+    assert [(j.start, j.hit, j.pin) for j in meta.loads] == [(0, HIT, 1)]
+    half.work(meta)
+    half.finish(r)
+    assert half.pinned() == NONE
+
+
+def test_a_request_asked_again_after_more_was_computed_is_looked_up_again(half):
+    """Asked again with other computed tokens (vLLM's own cache grew meanwhile), the
+    request is looked up again from there, and the first pin is released."""
+    r = half.request(PROMPT)
+    before = _lookups(half)
+    assert half.connector.get_num_new_matched_tokens(r, 0) == (HIT, False)
+    assert half.connector.get_num_new_matched_tokens(r, 2 * CHUNK) == (HIT - 2 * CHUNK,
+                                                                        False)
+    assert [n - b for n, b in zip(_lookups(half), before)] == [2, 2]
+    assert all(s.take(r.request_id, 1) is None for s in half.services)
+    half.finish(r)
+    assert half.pinned() == NONE
+
+
 def test_a_preempted_request_that_pins_again_and_is_aborted_unscheduled_holds_no_pin(half):
     """A request loads its hit; it is preempted and asked again, and the new lookup pins
     a hit; it is not scheduled that step (no blocks), then aborted: no rank keeps the

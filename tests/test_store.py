@@ -88,6 +88,24 @@ def test_round_trip_is_bit_exact(store):
     assert again.objects == {}  # stored already: nothing to write
 
 
+def test_a_pin_read_locks_exactly_its_objects_and_a_miss_none(store):
+    """The hit of 96 tokens reads 5 objects (3 full chunks, the window's 2 sliding ones):
+    pinned, those 5 are read-locked until released. With one sliding object gone from
+    L1 behind the account's back, the pin misses and leaves no lock behind (the full
+    object of that chunk was found, and must not stay locked)."""
+    gen = torch.Generator().manual_seed(7)
+    chain = chunk_hashes(list(range(3 * CHUNK)), CHUNK)
+    put(store, chain, gen)
+    locks = lambda: store.tier.status()["read_locked_count"]  # noqa: E731
+    pinned = store.pin(chain, 0, 3 * CHUNK)
+    assert pinned is not None and locks() == 5
+    store.release(pinned)
+    assert locks() == 0
+    store.tier.delete([store.key(chain[2], 0)])
+    assert store.pin(chain, 0, 3 * CHUNK) is None
+    assert locks() == 0
+
+
 def test_partial_groups_and_uncommitted_chunks(store):
     gen = torch.Generator().manual_seed(2)
     a, b = chunk_hashes(list(range(2 * CHUNK)), CHUNK)

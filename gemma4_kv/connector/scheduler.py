@@ -106,6 +106,11 @@ class ConnectorScheduler:
         if st is None or not self.can_load or getattr(request, "skip_reading_prefix_cache",
                                                       False):
             return 0, False
+        if st.hit is not None and st.hit[0] == num_computed_tokens:
+            # Offered last step, not allocated (vLLM asks a waiting request again each
+            # step): its pin still holds that hit, so it is offered again without asking
+            # every rank to release it and pin the same objects again.
+            return st.hit[1] - num_computed_tokens, False
         self._release(request.request_id, st)
         # At least one prompt token must be computed by vLLM (it needs its logits); a
         # hit ends on a boundary of every group's blocks, possibly inside a chunk.

@@ -158,17 +158,32 @@ class EmbeddedStore(ChunkStore):
         return done
 
     def _lock_and_view(self, cells: list[ChunkKey], locked: list) -> Pinned | None:
-        """`pin`'s work; adds every key it read-locks to `locked` as soon as it is."""
-        for gid in self._groups:
-            keys = [self.key(h, gid) for h, g in cells if g == gid]
-            hits = self.tier.resident(gid, keys, self._layouts[gid], True)
-            locked += [keys[i] for i in hits]
-            if len(hits) != len(keys):
+        """`pin`'s work; adds every key it read-locks to `locked` as soon as it is.
+
+        Chunks are locked in one LMCache call per set of groups that reads them (a
+        Gemma 4 hit has two: the sliding window's chunks, read by every group, and the
+        full groups' other chunks), not one per group: calls cost most of a lookup."""
+        chunks: dict[bytes, list[int]] = {}
+        for h, g in cells:
+            chunks.setdefault(h, []).append(g)
+        by_groups: dict[tuple[int, ...], list[bytes]] = {}
+        for h, gids in chunks.items():
+            by_groups.setdefault(tuple(gids), []).append(h)
+        keys_of = {}
+        for gids, hashes in by_groups.items():
+            rows = [(gid, [self.key(h, gid) for h in hashes], self._layouts[gid])
+                    for gid in gids]
+            hits = self.tier.lock_columns(rows)
+            for _, keys, _ in rows:
+                locked += [keys[i] for i in hits]
+            if len(hits) != len(hashes):
                 return None
-        keys = [self.key(h, g) for h, g in cells]
+            for gid, keys, _ in rows:
+                keys_of.update(((h, gid), k) for h, k in zip(hashes, keys))
+        keys = [keys_of[c] for c in cells]
         if self.l2.withheld(keys):
             return None
-        found = self.tier.read(keys)
+        found = self.tier.read(keys, trailers=False)  # a load reads the KV only
         views = {}
         for ck, k in zip(cells, keys):
             obj, want = found.get(k), self._layouts[ck[1]]

@@ -95,20 +95,27 @@ class L2Prefetches:
         """Per group id, the chunk indices whose object sits in L1 and may be offered
         (not possibly brought up by an unverified prefetch, not known bad)."""
         out = {}
-        for gid in self._groups:
-            keys = [self._key(h, gid) for h in chain]
-            present = self._tier.resident(gid, keys, self._layouts[gid], False)
+        rows = [(gid, [self._key(h, gid) for h in chain], self._layouts[gid])
+                for gid in self._groups]
+        for (gid, keys, _), present in zip(rows, self._tier.resident_rows(rows)):
             if self._unverified:
                 self._check_unverified(gid, keys, present)
             out[gid] = {i for i in present if keys[i] not in self._maybe_untrusted
-                        and keys[i] not in self._bad and keys[i] not in self._unverified}
+                        and keys[i] not in self._bad and keys[i] not in self._unverified} \
+                if self._withholds() else set(present)
         return out
 
     def withheld(self, keys) -> bool:
         """Whether any of these keys may not be offered: a prefetch may still bring it
         up, its L2 copy failed verification, or it awaits verification."""
-        return any(k in self._maybe_untrusted or k in self._bad or k in self._unverified
-                   for k in keys)
+        return self._withholds() and any(
+            k in self._maybe_untrusted or k in self._bad or k in self._unverified
+            for k in keys)
+
+    def _withholds(self) -> bool:
+        """Whether any key is withheld at all: if none, a lookup skips hashing each of
+        its keys (ObjectKey hashes are not cached) against empty sets."""
+        return bool(self._maybe_untrusted or self._bad or self._unverified)
 
     def is_bad(self, key) -> bool:
         """Whether the key's L2 copy failed verification (never offered again)."""
