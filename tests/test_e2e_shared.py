@@ -96,7 +96,9 @@ def l2_settled(store, name: str) -> None:
     l2_writes_in_flight`, and no object read-locked: between steps only LMCache's copies
     hold one, from taking it off their queue) and no prefetch from it is unsettled:
     what the server holds is final until the next step, and a server killed before
-    now has failed every request to it, so none reaches the one restarted after."""
+    now has failed every request to it, so none reaches the one restarted after. (It
+    can return early while LMCache's store thread is between taking objects off its
+    queue and locking them: `StorageLayer.l2_writes_in_flight`.)"""
     deadline = time.monotonic() + HANG_S
     while True:
         store.poll()
