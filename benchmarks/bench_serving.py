@@ -60,6 +60,8 @@ SYSTEMS = ("none", "gemma4-kv", "offloading", "offloading-defaults")
 SCENARIOS = ("fits", "over", "loop", "zipf", "chat")
 CHUNK = 256  # the connector's chunk_size (its default)
 GiB = 1 << 30
+SETTLE_LIMIT_S = 600.0
+"""Hang guard of `settle`: saves still uncommitted after this long fail the run."""
 
 # --tiny: vLLM's CPU build, the tests' tiny Gemma 4 (CI smoke test)
 TINY = dict(config="tiny", dtype="float32", block_size=32, cpu_gb=0.01, kv_cache_gb=0.004,
@@ -125,7 +127,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="end prompts half an answer before a chunk boundary")
     p.add_argument("--warmup-docs", type=int, default=2)
     p.add_argument("--settle-s", type=float, default=1.0,
-                   help="pause after each round so stores land (not timed)")
+                   help="OffloadingConnector: pause after each round so its stores land "
+                        "(not timed; gemma4-kv waits for its own count of committed saves)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--inproc", action="store_true",
                    help="vLLM's CPU build: engine and worker in the benchmark's process "
@@ -418,11 +421,23 @@ def run_worker(args, system: str, result_path: Path) -> None:
                                detokenize=False)
 
     def settle():
-        """A pause for asynchronous stores, then one tiny unrelated request: connectors
-        commit (and report) the stores that landed on the next engine step."""
-        time.sleep(args.settle_s)
-        llm.generate([{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(8)]}],
-                     SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+        """Tiny unrelated requests (no whole chunk: nothing to store) until the stores
+        of the round are done: connectors commit (and report) the stores that landed on
+        a later engine step. gemma4-kv counts its save jobs and those committed (its
+        counters come with every step); the OffloadingConnector counts nothing still
+        in flight, so it gets a pause (--settle-s) before its one tiny request."""
+        if system.startswith("offloading"):
+            time.sleep(args.settle_s)
+        deadline = time.monotonic() + SETTLE_LIMIT_S
+        while True:
+            llm.generate([{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(8)]}],
+                         SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+            c = counters(llm)
+            if c.get("vllm:gemma4_kv_saves_committed", 0) >= c.get("vllm:gemma4_kv_saves", 0):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gemma4-kv saves still uncommitted after "
+                                   f"{SETTLE_LIMIT_S} s of engine steps: {c}")
 
     def run_round(items, sp, batch: int) -> dict:
         """items: [(label, tokens)], `batch` at a time in one llm.generate each."""

@@ -90,11 +90,13 @@ def _engines_stay_out_of_process():
                     "(monkeypatch.setenv)", pytrace=False)
 
 
-# -- engines: one vLLM cache for the run, a pool for the modules that time nothing ----------
+# -- engines: one vLLM cache for the run, a pool, and the modules run alone ---------------
 def _engine_group(item) -> int:
     """Order of the test run: tests that start no engine; the modules whose engines run
-    side by side (`engine_jobs`); the modules that time engines (`start_engines`), each
-    of their timed steps alone."""
+    side by side (`engine_jobs`); the modules whose steps run alone (`start_engines`).
+    No test reads a clock, but those modules' faults meet the connector's own short
+    timeouts (a rank's answer, an L2 wait, the lmcache server's): an engine computing
+    beside them could make a lookup outlast one and change an exact hit."""
     mod = item.module
     return 1 if hasattr(mod, "engine_jobs") else 2 if hasattr(mod, "start_engines") else 0
 
@@ -115,12 +117,12 @@ def _vllm_cache_root(tmp_path_factory):
 @pytest.fixture(scope="session")
 def engine_pool(request, tmp_path_factory):
     """Every engine of the selected tests, started on first use: the jobs of the modules
-    that time nothing (`engine_jobs(tmp_path_factory, selected)`: [(key, seconds, job[,
+    that run side by side (`engine_jobs(tmp_path_factory, selected)`: [(key, seconds, job[,
     memory units])]; `selected`: the names of the module's selected tests, with and
-    without parameters) side by side, longest first; the timed modules' engines
+    without parameters) side by side, longest first; the engines of the modules run alone
     (`start_engines(tmp_path_factory, selected)`: their state, engines waiting at their
     gates) when the module first asks, once every pool job has finished, one module at
-    a time (the previous one's engines closed), so nothing else runs beside its timed
+    a time (the previous one's engines closed), so nothing else runs beside its
     steps."""
     from e2e_common import EnginePool, pool_slots
 

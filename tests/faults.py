@@ -192,19 +192,20 @@ def drop_l1(worker, timeout: float = 30.0) -> dict:
 def wait_l2(worker, disk: str | None = None, port: int | None = None,
             timeout: float = 60.0) -> int:
     """Wait until LMCache has written every CPU-tier object to the L2 tier (its stores are
-    asynchronous): the disk tier's files, or a Redis-protocol server's keys on `port`,
-    and no write holds a read lock any more (an object stored again writes a file that
-    exists already: counting files cannot tell that write is done); how many there are.
-    Call it with no request in flight (then only L2 writes hold read locks). Raises
-    TimeoutError if that is not so after `timeout` seconds."""
+    asynchronous): no copy in flight (`EmbeddedStore.l2_writes_in_flight`: a task ends
+    once its files are written), none holding a read lock (one just taken off LMCache's
+    queue), and the disk tier's files, or a Redis-protocol server's keys on `port`, as
+    many as the CPU tier's objects; how many there are. Call it with no request in
+    flight (then only L2 writes hold read locks). Raises TimeoutError if that is not
+    so after `timeout` seconds."""
     store = _worker().store
     deadline = time.monotonic() + timeout
     while True:
         status = store.tier.status()
         have = _server_keys(port) if port else len(
             [p for p in Path(disk).rglob("*") if p.is_file() and p.stat().st_size > 0])
-        if have >= status["total_object_count"] and status["read_locked_count"] == 0:
-            time.sleep(0.3)  # let the last writes close their files
+        if have >= status["total_object_count"] and status["read_locked_count"] == 0 \
+                and store.l2_writes_in_flight() == 0:
             return have
         if time.monotonic() > deadline:
             where = f"the server on port {port}" if port else f"the disk tier in {disk}"
@@ -258,11 +259,6 @@ def damage(worker, disk: str, victims: list[dict]) -> list[str]:
             raise ValueError(v["how"])
         done.append(f"{v['how']} {path.name} ({len(raw)} bytes)")
     return done
-
-
-def sleep(worker, seconds: float) -> float:
-    time.sleep(seconds)
-    return seconds
 
 
 # -- faults ---------------------------------------------------------------------------------
@@ -463,20 +459,29 @@ def _arm_slow_tier(w, state):
     _patch(state, w.store, "start_prefetch", count)
 
 
-def _disarm_slow_tier(w, state):
-    state["released"] = True  # the tier answers again: every held answer is given now
+def _disarm_slow_tier(w, state, timeout: float = 60.0):
+    """The tier answers again: every held answer is given now, and this returns once
+    the prefetches they held have settled (none in flight or given up), so the next
+    lookup finds no key withheld for them. Raises TimeoutError if they have not after
+    `timeout` seconds."""
+    state["released"] = True
     for t in state.pop("timers"):
         t.cancel()
     _inner_adapter(w)._lookup_efd.notify()
-    time.sleep(0.5)
+    store, deadline = w.store, time.monotonic() + timeout
+    while (left := store.l2.counts())["inflight"] or left["hung"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"faults: L2 prefetches still unsettled {timeout} s after "
+                               f"the slow tier answered again: {left}")
+        time.sleep(0.05)
+        store.poll()
     _undo(w, state)
 
 
 # not a fault: the lookups' skip of L2 after repeated give-ups made to last `seconds`
 def _arm_long_l2_pause(w, state):
     """The first pause lasts 5 s by default: a loaded CI machine can outlast it between
-    two prompts. Disarm ends it, as its time running out would, and says how much of it
-    was left (so a test can show a request came while it held)."""
+    two prompts. Disarm ends it, as its time running out would."""
     wait = w.lookups.wait
     state["was"] = wait._pause
     wait._pause = state["seconds"]
@@ -484,7 +489,6 @@ def _arm_long_l2_pause(w, state):
 
 def _disarm_long_l2_pause(w, state):
     wait = w.lookups.wait
-    state["left"] = max(0.0, wait._paused_until - time.monotonic())
     wait._paused_until, wait._pause = time.monotonic(), state["was"]
 
 

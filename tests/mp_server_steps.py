@@ -27,6 +27,14 @@ def kill_server(worker, pid: int) -> bool:
     return True
 
 
+def waited_out(worker) -> int:
+    """Calls of the worker's server store that waited out its timeout
+    (`ServerConnection.waited_out`)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()._worker.store.conn.waited_out
+
+
 def store_kind(worker) -> str:
     """Which store the worker's connector opened."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group

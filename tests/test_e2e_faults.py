@@ -265,15 +265,10 @@ def cached(runs, label):
 
 
 def in_scheduler(runs, label):
-    """Per request of a step: (get_num_new_matched_tokens calls, seconds vLLM's scheduler
-    spent in them, seconds from the first call to the last one's answer)."""
+    """Per request of a step: how often vLLM's scheduler asked the connector for its hit
+    (get_num_new_matched_tokens calls: more than one while a lookup is pending)."""
     script, _, _, lookups = runs
-    out = []
-    for r in script.requests[label]:
-        calls = lookups[r]
-        span = calls[-1]["t"] + calls[-1]["seconds"] - calls[0]["t"]
-        out.append((len(calls), sum(c["seconds"] for c in calls), span))
-    return out
+    return [len(lookups[r]) for r in script.requests[label]]
 
 
 def test_every_request_answered_with_the_tokens_of_recomputation(runs):
@@ -386,11 +381,10 @@ def test_stalled_tier_misses_then_pauses_then_serves_again(runs):
     assert grew == {"l2_waits_given_up": 3, "l2_lookups_paused": 1}
     state = result(runs, "slow:disarm")
     assert state["held"] >= 3 and state["prefetches"] == 3
-    assert result(runs, "slow:pause:disarm")["left"] > 0  # C came while L2 was skipped
     assert cached(runs, "slow") == [0, 0, 0]
-    assert all(calls > 1 for calls, _, _ in in_scheduler(runs, "slow"))
+    assert all(calls > 1 for calls in in_scheduler(runs, "slow"))
     assert cached(runs, "slow:paused") == [0]
-    assert [calls for calls, _, _ in in_scheduler(runs, "slow:paused")] == [1]
+    assert in_scheduler(runs, "slow:paused") == [1]
     assert cached(runs, "slow:again") == [FULL]
 
 
@@ -469,7 +463,7 @@ def test_frozen_valkey_server_misses_then_serves_again(frozen):
     assert step(runs, "thawed")["outputs"] == [reference["B"][0]]
     assert cached(runs, "frozen") == [0] and cached(runs, "frozen:next") == [0]
     for label in ("frozen", "frozen:next"):
-        ((calls, _, _),) = in_scheduler(runs, label)
+        (calls,) = in_scheduler(runs, label)
         assert calls > 1, label  # pending: asked again each step
     before = result(runs, "frozen:before")["counters"]
     grew = result(runs, "frozen:snap")["counters"].get("l2_waits_given_up", 0) - \

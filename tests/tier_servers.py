@@ -60,6 +60,11 @@ def ping(port: int, timeout: float = 0.5) -> bool:
         return False
 
 
+_MIN_IDLE = ("local m = -1 for _, k in ipairs(redis.call('KEYS', '*')) do "
+             "local t = redis.call('OBJECT', 'IDLETIME', k) "
+             "if m < 0 or t < m then m = t end end return m")
+
+
 class TierServer:
     """One server process on a fixed loopback port; start/stop as often as a test needs."""
 
@@ -152,6 +157,17 @@ class TierServer:
 
     def flush(self) -> None:
         self.cli("FLUSHALL")
+
+    def clients(self) -> int:
+        """Clients connected now, the command-line client that asks left out."""
+        info = self.cli("INFO", "clients")
+        (line,) = [x for x in info.splitlines() if x.startswith("connected_clients:")]
+        return int(line.split(":")[1]) - 1
+
+    def min_idle_s(self) -> int:
+        """The least idle time of any key, in whole seconds of the server's LRU clock
+        (OBJECT IDLETIME reads it without touching the key); -1 without keys."""
+        return int(self.cli("EVAL", _MIN_IDLE, "0"))
 
     # -- LMCache L2 adapter spec ------------------------------------------------------
     def valkey_spec(self, **extra) -> dict:

@@ -27,6 +27,8 @@ COUNTERS = {
     "load_seconds": ("GPU time of loads, first copy to last", "s"),
     "save_bytes": ("Bytes of KV stored from vLLM's cache", "GB"),
     "save_blocks": ("Blocks stored (all layers of a group)", None),
+    "saves": ("Save jobs started (copies of a step's chunks into the store)", None),
+    "saves_committed": ("Save jobs whose objects the store has made visible", None),
     "lookups": ("Lookups answered by a worker rank", None),
     "lookup_seconds": ("Time spent answering lookups", "s"),
     "hit_tokens": ("Tokens of the hits pinned for vLLM", None),

@@ -127,6 +127,12 @@ class EmbeddedStore(ChunkStore):
     def in_flight(self) -> bool:
         return self.l2.in_flight()
 
+    def l2_writes_in_flight(self) -> int:
+        """Committed objects whose copy to the L2 tiers has not ended (stored or
+        failed), but for a moment of LMCache's (`StorageLayer.l2_writes_in_flight`):
+        what a test waits out instead of sleeping."""
+        return self.tier.l2_writes_in_flight()
+
     def finish_prefetch(self, prefetch: Prefetch) -> None:
         self.l2.finish_prefetch(prefetch)
 

@@ -395,6 +395,16 @@ class StorageLayer:
         """LMCache's own account of L1: object, read- and write-locked counts, bytes."""
         return self._sm.report_status()["l1_manager"]
 
+    def l2_writes_in_flight(self) -> int:
+        """Published objects waiting for LMCache's store thread, plus its L2 store tasks
+        that have not ended (stored or failed); 0 without an L2 tier. Objects that
+        thread has just taken off its queue are in neither count until it has
+        read-locked them (`status`), once it has picked their tier: a caller can read
+        0 in between (seen on a loaded machine). LMCache reports nothing that closes
+        that gap."""
+        return sum(c["pending_keys_count"] + c["in_flight_task_count"]
+                   for c in self._sm.report_status()["store_controllers"].values())
+
     def clear(self) -> None:
         """Delete every object no reader or writer holds."""
         self._sm.clear(force=False)

@@ -62,7 +62,9 @@ class Saves(JobQueue):
             for kv, trailer, key in host_seals:
                 integrity.seal(kv, trailer, key)
             self.store.commit(reservation)
+            self.stats.add("saves_committed", 1)
 
+        self.stats.add("saves", 1)
         self._submitted(self.transfer.fence(), commit)
         end = (write.first + len(write.groups)) * self.chunk_size
         self.record("save", write.req_id, write.first * self.chunk_size, end, planned, t0)
