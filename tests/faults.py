@@ -204,15 +204,17 @@ def wait_l2(worker, disk: str | None = None, port: int | None = None,
         status = store.tier.status()
         have = _server_keys(port) if port else len(
             [p for p in Path(disk).rglob("*") if p.is_file() and p.stat().st_size > 0])
+        in_flight = store.l2_writes_in_flight()
         if have >= status["total_object_count"] and status["read_locked_count"] == 0 \
-                and store.l2_writes_in_flight() == 0:
+                and in_flight == 0:
             return have
         if time.monotonic() > deadline:
             where = f"the server on port {port}" if port else f"the disk tier in {disk}"
             raise TimeoutError(
                 f"faults.wait_l2: after {timeout} s {where} holds {have} object(s) of the "
                 f"CPU tier's {status['total_object_count']}, and "
-                f"{status['read_locked_count']} are still read-locked by writes")
+                f"{status['read_locked_count']} are still read-locked by writes, "
+                f"{in_flight} write(s) in flight")
         time.sleep(0.05)
 
 

@@ -17,13 +17,17 @@ import faults  # noqa: E402
 
 
 class Store:
-    """What the two helpers use of the worker's store: poll, tier.status, drop_l1. The
-    CPU tier holds `objects`; `locked_polls` polls later nothing is read-locked (None:
-    never)."""
+    """What the two helpers use of the worker's store: poll, tier.status, drop_l1,
+    l2_writes_in_flight. The CPU tier holds `objects`; `locked_polls` polls later nothing
+    is read-locked (None: never); `in_flight` L2 writes never end."""
 
-    def __init__(self, objects: int, locked_polls: int | None):
+    def __init__(self, objects: int, locked_polls: int | None, in_flight: int = 0):
         self.objects, self.locked_polls, self.dropped = objects, locked_polls, 0
+        self.in_flight = in_flight
         self.tier = SimpleNamespace(status=self.status)
+
+    def l2_writes_in_flight(self) -> int:
+        return self.in_flight
 
     def poll(self) -> None:
         if self.locked_polls:
@@ -71,13 +75,15 @@ def test_wait_l2_counts_the_objects_once_written(store, tmp_path):
     assert faults.wait_l2(None, disk=str(tmp_path), timeout=30.0) == 3
 
 
-@pytest.mark.parametrize("written, locked", [(1, 0), (3, None)])
-def test_wait_l2_fails_when_the_writes_never_end(store, tmp_path, written, locked):
-    """Objects missing from the disk tier, or all there but still read-locked."""
-    store.store = Store(objects=3, locked_polls=locked)
+@pytest.mark.parametrize("written, locked, in_flight", [(1, 0, 0), (3, None, 0), (3, 0, 1)])
+def test_wait_l2_fails_when_the_writes_never_end(store, tmp_path, written, locked, in_flight):
+    """Objects missing from the disk tier, all there but still read-locked, or all there
+    with a write still in flight."""
+    store.store = Store(objects=3, locked_polls=locked, in_flight=in_flight)
     files(tmp_path, written)
     busy = 0 if locked == 0 else 2
     with pytest.raises(TimeoutError, match=rf"^faults\.wait_l2: after 0\.2 s the disk tier in "
                                            rf".* holds {written} object\(s\) of the CPU "
-                                           rf"tier's 3, and {busy} are still read-locked"):
+                                           rf"tier's 3, and {busy} are still read-locked by "
+                                           rf"writes, {in_flight} write\(s\) in flight"):
         faults.wait_l2(None, disk=str(tmp_path), timeout=0.2)
