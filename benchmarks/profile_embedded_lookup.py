@@ -38,48 +38,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter, defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from profile_server_lookup import Timers  # noqa: E402  (phase timers, shared)
+
 CHUNK = 256
-
-
-class Timers:
-    """Host seconds and calls per named phase (wrapped functions), per thread-agnostic
-    label; only one lookup runs at a time, so the sums do not interleave."""
-
-    def __init__(self):
-        self.seconds, self.calls = defaultdict(float), Counter()
-        self._undo = []
-
-    def wrap(self, owner, name: str, label: str):
-        fn = getattr(owner, name)
-
-        def timed(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.seconds[label] += time.perf_counter() - t
-                self.calls[label] += 1
-
-        self._undo.append((owner, name, owner.__dict__.get(name)))
-        setattr(owner, name, timed)
-
-    def unwrap(self):
-        for owner, name, old in reversed(self._undo):
-            if old is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, old)
-        self._undo = []
-
-    def reset(self):
-        self.seconds.clear()
-        self.calls.clear()
 
 
 def layout_of(layers: int):
@@ -95,32 +61,23 @@ def layout_of(layers: int):
     return hf_layout(cfg, dtype=torch.bfloat16)
 
 
-def store_prompt(store, layout, chain, prompt_len: int, retention: int) -> int:
-    """Store the prompt's chunks as the scheduler half has them stored (full groups every
-    chunk, sliding groups the windows before the hit ends); the hit a lookup asks for."""
-    import torch
-
-    from gemma4_kv.layout.groups import AttentionKind
-    from gemma4_kv.layout.plan import hit_ends, retained_chunks
+def store_prompt(store, layout, chain, prompt_len: int, interval: int) -> int:
+    """Store the prompt's chunks as the scheduler half has them stored (the retention
+    policy, `plan.retention`); the hit a lookup asks for (the prompt asked again)."""
     from gemma4_kv.layout import integrity
-    from gemma4_kv.stores.base import HIGH, LOW, ChunkWrite
+    from gemma4_kv.layout.plan import retention
+    from gemma4_kv.stores.base import ChunkWrite
 
-    m, n = layout.chunk_multiple, prompt_len // CHUNK
-    last, again = n * CHUNK, min(n * CHUNK, (prompt_len - 1) // m * m)
-    ends = [(e, HIGH if e in (last, again) else LOW)
-            for e in hit_ends(n, CHUNK, again, retention)]
-    kept = {g.group_id: retained_chunks(g, CHUNK, [e for e, _ in ends])
-            for g in layout.groups if g.kind is AttentionKind.SLIDING}
-    groups = [tuple(g.group_id for g in layout.groups
-                    if g.kind is AttentionKind.FULL or c in kept[g.group_id])
-              for c in range(n)]
-    res = store.reserve(ChunkWrite("writer", chain, 0, groups, ends))
+    kept = retention(layout, CHUNK, prompt_len, interval)
+    groups = [kept.groups(c) for c in range(prompt_len // CHUNK)]
+    res = store.reserve(ChunkWrite("writer", chain, 0, groups, list(kept.ends),
+                                   frozenset(kept.ends) - kept.main))
     for kv, trailer, key in res.objects.values():
         kv.fill_(1)
         integrity.seal(kv, trailer, key)
     store.commit(res)
     store.on_request_finished("writer")
-    return again
+    return min(kept.main)
 
 
 def busy(stop: threading.Event) -> None:

@@ -54,10 +54,12 @@ class Counting:
 
 
 class Timers:
-    """Host seconds and calls per named phase (wrapped functions)."""
+    """Host seconds and calls per named phase (wrapped functions); only one lookup runs at
+    a time, so the sums do not interleave. `unwrap` puts the original functions back."""
 
     def __init__(self):
         self.seconds, self.calls = defaultdict(float), Counter()
+        self._undo = []
 
     def wrap(self, owner, name: str, label: str):
         fn = getattr(owner, name)
@@ -70,7 +72,16 @@ class Timers:
                 self.seconds[label] += time.perf_counter() - t
                 self.calls[label] += 1
 
+        self._undo.append((owner, name, owner.__dict__.get(name)))
         setattr(owner, name, timed)
+
+    def unwrap(self):
+        for owner, name, old in reversed(self._undo):
+            if old is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
+        self._undo = []
 
     def reset(self):
         self.seconds.clear()
