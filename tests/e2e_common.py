@@ -468,6 +468,16 @@ def pool_slots() -> int:
     return 2 * len(CORES)
 
 
+def counted(out: dict, names) -> list[dict]:
+    """Per prompt, how much each of the counters `names` grew (those that did)."""
+    rows, last = [], {}
+    for snapshot in out["metrics"]:
+        now = {n: v for n, v in snapshot.items() if n in names}
+        rows.append({n: v - last.get(n, 0) for n, v in now.items() if v != last.get(n, 0)})
+        last = now
+    return rows
+
+
 def run_group(cmd, *, env, timeout):
     """Run a command in its own process group; on timeout kill the whole group (vLLM's
     engine processes included), never leave them spinning behind the test run."""

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from e2e_common import (CHUNK, RETENTION, check_against_plan, finish_engine,
+from e2e_common import (CHUNK, RETENTION, check_against_plan, counted, finish_engine,
                         prompts, save_config, start_engine, tiny_gemma4_config)
 from gemma4_kv.layout.from_hf import hf_layout
 from gemma4_kv.keys.request import chunk_keys
@@ -355,16 +355,6 @@ def wire_keys_wait(server: TierServer, n: int) -> list[str]:
         assert time.monotonic() < deadline, f"{len(keys)} keys in the server, not {n}"
         time.sleep(0.05)
     return keys
-
-
-def counted(out: dict, names) -> list[dict]:
-    """Per prompt, how much each of the counters `names` grew (those that did)."""
-    rows, last = [], {}
-    for snapshot in out["metrics"]:
-        now = {n: v for n, v in snapshot.items() if n in names}
-        rows.append({n: v - last.get(n, 0) for n, v in now.items() if v != last.get(n, 0)})
-        last = now
-    return rows
 
 
 def fingerprint_of(events) -> str:
