@@ -51,6 +51,7 @@ def pytest_terminal_summary(terminalreporter):
     from intended_skips import unexpected
     from needs import in_ci
 
+    _report_timeline(terminalreporter)
     if not _skips:
         return
     tr = terminalreporter
@@ -145,3 +146,23 @@ def engine_pool(request, tmp_path_factory):
         pool.later(key, fn)
     yield pool
     pool.close()
+    _timeline.extend((str(k), a - pool.created, b - pool.created) for k, a, b in pool.timeline)
+    from engine_zygote import ZYGOTE
+
+    _engines.update(forked=ZYGOTE.forked, spawned=ZYGOTE.spawned, why=sorted(ZYGOTE.why))
+
+
+_timeline: list[tuple[str, float, float]] = []  # engine pool jobs: (key, start, end) in s
+_engines: dict[str, int] = {}  # harness engines forked from the zygote / started afresh
+
+
+def _report_timeline(tr) -> None:
+    """When each engine pool job ran (seconds since the pool started): where CI's
+    minutes go."""
+    if not _timeline:
+        return
+    tr.section("engine pool jobs (s from the pool's start)")
+    tr.write_line(f"harness engines: {_engines.get('forked', 0)} forked from the zygote, "
+                  f"{_engines.get('spawned', 0)} started afresh {_engines.get('why') or ''}")
+    for key, a, b in sorted(_timeline, key=lambda t: t[1]):
+        tr.write_line(f"{a:7.0f} {b:7.0f} {b - a:6.0f}  {key}")

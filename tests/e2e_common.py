@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import gates
+from engine_zygote import ZYGOTE
 
 from gemma4_kv.tools.harness import save_config, tiny_gemma4_config
 from gemma4_kv.layout.from_hf import hf_layout
@@ -279,7 +280,8 @@ MEMORY = Memory()
 
 class Harness:
     """One engine: the harness (`gemma4_kv.tools.harness`) over `spec` in a process group of
-    its own, started now (see `harness_command`); `result()` waits for it and returns
+    its own, started now (see `harness_command`; forked from the test run's zygote where
+    it can be, tests/engine_zygote.py); `result()` waits for it and returns
     (its output, the finished process), its stdout and stderr kept in `<name>.log`.
 
     With `gate`, the engine starts up and then waits at a first step (tests/gates.py)
@@ -308,8 +310,7 @@ class Harness:
         self.log_path = tmp_path / f"{name}.log"
         self._out = open(tmp_path / f"{name}.stdout", "ab")  # O_APPEND: several processes
         self._err = open(tmp_path / f"{name}.stderr", "ab")
-        self.proc = subprocess.Popen(self.cmd, env=full_env, stdout=self._out,
-                                     stderr=self._err, start_new_session=True)
+        self.proc = ZYGOTE.spawn(self.cmd, full_env, self._out, self._err)
         self._deadline = time.monotonic() + timeout
         self._done = None
         Harness._live.add(self)
@@ -405,17 +406,23 @@ class EnginePool:
         self._started: dict = {}  # key -> ("ok", state) or ("error", exception)
         self._current = None  # the timed module's state whose engines are up
         self._lock = threading.Lock()
+        self.timeline: list[tuple[object, float, float]] = []  # (key, start, end), monotonic
+        self.created = time.monotonic()
 
     def submit(self, key, fn, units: int = 1) -> Future:
         """Run `fn` (holding `units` of `MEMORY` while it runs; 0: it takes its own)."""
         def job():
-            MEMORY.take(units)
+            if units:
+                MEMORY.take(units)
+            t0 = time.monotonic()
             try:
                 return fn()
             finally:
-                MEMORY.give(units)
+                self.timeline.append((key, t0, time.monotonic()))
+                if units:
+                    MEMORY.give(units)
 
-        self._jobs[key] = self._ex.submit(job if units else fn)
+        self._jobs[key] = self._ex.submit(job)
         return self._jobs[key]
 
     def later(self, key, fn) -> None:
@@ -435,8 +442,10 @@ class EnginePool:
                 if self._current is not None:
                     self._current.close()
                     self._current = None
+                t0 = time.monotonic()
                 try:
                     state = self._later[key]()
+                    self.timeline.append((key, t0, time.monotonic()))
                     self._started[key] = ("ok", state)
                     self._current = state
                 except BaseException as e:  # noqa: BLE001 - each of its tests reports it
@@ -461,6 +470,7 @@ class EnginePool:
                 pass
         Harness.kill_all()
         self._ex.shutdown(wait=True)
+        ZYGOTE.close()
 
 
 def pool_slots() -> int:
