@@ -80,7 +80,7 @@ def _hashes(tokens: list[int], chunk_size: int) -> list[bytes]:
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    from gemma4_kv.keys.request import chunk_keys
+    from keyer import chunk_keys
 
     req = Request("faults", tokens, SamplingParams(max_tokens=1), None)
     return chunk_keys(req, chunk_size).hashes

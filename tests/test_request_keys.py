@@ -25,8 +25,8 @@ from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from gemma4_kv.keys.request import (  # noqa: E402
-    ChunkKeys, RequestKeyer, Uncacheable, chunk_keys)
+from gemma4_kv.keys.request import ChunkKeys, RequestKeyer, Uncacheable  # noqa: E402
+from keyer import chunk_keys  # noqa: E402
 
 CHUNK = 256
 BLOCK = 32  # vLLM's hash block (the gcd of Gemma 4's group block sizes)

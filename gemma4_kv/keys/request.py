@@ -353,11 +353,6 @@ def mm_identifiers_are_content_hashes(vllm_config) -> bool:
                 and not vllm_config.cache_config.enable_prefix_caching)
 
 
-def chunk_keys(request, chunk_size: int, num_tokens: int | None = None) -> ChunkKeys | Uncacheable:
-    """One-off keys with a fresh keyer (generation "", nothing bound): tests, tools."""
-    return RequestKeyer(chunk_size).keys(request, num_tokens)
-
-
 def placeholder_spans(request) -> list[tuple[int, int]]:
     """Token ranges [a, b) of the request's multimodal items. Gemma 4 attends both ways
     within an image: a hit that ends inside one lets vLLM compute the rest of the image
