@@ -71,8 +71,8 @@ def _worker():
 
 def _lmcache(store):
     """LMCache's StorageManager inside the store's adapter: faults reach into LMCache
-    itself (its L1's locks, its L2 adapters), which the store never exposes."""
-    return store.tier._sm
+    itself (its L1's locks, its L2 adapters), which the store never uses."""
+    return store.tier.storage_manager
 
 
 def _hashes(tokens: list[int], chunk_size: int) -> list[bytes]:
