@@ -22,9 +22,10 @@ class RequestState:
     """First chunk not yet stored or loaded."""
     pin: int = 0
     """Number of its latest lookup: the workers name what it pinned (req_id, pin)."""
-    hit: tuple[int, int] | None = None
-    """(start, hit) of pin `pin` while the scheduler owns it: released there unless a
-    load takes it over (the workers free a load's pins once loaded, in step order)."""
+    offered: tuple[int, int] | None = None
+    """(start, end) of the hit offered to vLLM under pin `pin`, while the scheduler owns
+    that pin: released there unless a load takes it over (the workers free a load's
+    pins once loaded, in step order)."""
     from_l2: int = 0
     pending: bool = False
     """Its latest lookup was answered pending: a rank may hold a prefetch for it."""
