@@ -3,8 +3,9 @@ nothing bound), as a new engine would key it."""
 
 from __future__ import annotations
 
-from gemma4_kv.keys.request import ChunkKeys, RequestKeyer, Uncacheable
+from gemma4_kv.keys.request import RequestKeys, RequestKeyer, Uncacheable
 
 
-def chunk_keys(request, chunk_size: int, num_tokens: int | None = None) -> ChunkKeys | Uncacheable:
+def chunk_keys(request, chunk_size: int,
+               num_tokens: int | None = None) -> RequestKeys | Uncacheable:
     return RequestKeyer(chunk_size).keys(request, num_tokens)
