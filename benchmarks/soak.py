@@ -97,6 +97,7 @@ def run_engine(tmp: Path, name: str, model: str, steps: list[dict], *, connector
     sched_log = tmp / f"{name}.scheduler.jsonl"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONHASHSEED="0",
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # the faults: "call" steps
                VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
                GEMMA4_KV_FAULTS_SCHEDULER_LOG=str(sched_log))

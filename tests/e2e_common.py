@@ -157,8 +157,9 @@ multiprocess layout; a spec or `env` may override both."""
 def harness_command(tmp_path, name, spec, *, env=None, unset=()):
     """(command, environment, output path) of a harness run over `spec`: vLLM's CPU KV
     space, the test run's vLLM cache (`VLLM_CACHE_ROOT`, set for the whole run by
-    tests/conftest.py; a private one elsewhere) and tests/ on the path (`env` on top,
-    `unset` removed)."""
+    tests/conftest.py; a private one elsewhere), tests/ on the path and pickled
+    collective_rpc functions allowed (the "call" steps of engines in processes of their
+    own) (`env` on top, `unset` removed)."""
     tmp_path = Path(tmp_path)
     spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
     if "engine" in spec:  # one process (see ONE_PROCESS)
@@ -166,7 +167,7 @@ def harness_command(tmp_path, name, spec, *, env=None, unset=()):
     spec_path.write_text(json.dumps(spec))
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     full_env = dict(os.environ, **ONE_PROCESS["env"], VLLM_CPU_KVCACHE_SPACE="1",
-                    PYTHONHASHSEED="0",
+                    PYTHONHASHSEED="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
                     VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT",
                                                    str(tmp_path / "vllm-cache")),
                     PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))

@@ -71,8 +71,8 @@ def _worker():
 
 def _lmcache(store):
     """LMCache's StorageManager inside the store's adapter: faults reach into LMCache
-    itself (its L1's locks, its L2 adapters), which the store never exposes."""
-    return store.tier._sm
+    itself (its L1's locks, its L2 adapters), which the store never uses."""
+    return store.tier.storage_manager
 
 
 def _hashes(tokens: list[int], chunk_size: int) -> list[bytes]:
@@ -80,7 +80,7 @@ def _hashes(tokens: list[int], chunk_size: int) -> list[bytes]:
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    from gemma4_kv.keys.request import chunk_keys
+    from keyer import chunk_keys
 
     req = Request("faults", tokens, SamplingParams(max_tokens=1), None)
     return chunk_keys(req, chunk_size).hashes

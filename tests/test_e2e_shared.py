@@ -34,8 +34,8 @@ import torch
 from e2e_common import (CHUNK, RETENTION, check_against_plan, counted, finish_engine,
                         prompts, save_config, start_engine, tiny_gemma4_config)
 from gemma4_kv.layout.from_hf import hf_layout
-from gemma4_kv.keys.request import chunk_keys
 from gemma4_kv.layout.plan import hit_chunks, hit_ends, retained_chunks
+from keyer import chunk_keys
 from model_keys import max_servable_hit
 from needs import require
 from tier_servers import TierServer, require_server

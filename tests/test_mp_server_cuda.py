@@ -42,7 +42,7 @@ def test_registered_shared_memory_is_pinned_for_the_kernels():
         per = nbytes // 3
         objects = [pool[i * per:(i + 1) * per].view(torch.bfloat16).view(shape)
                    for i in range(3)]
-        assert all(o.is_pinned() for o in objects)  # what Transfer checks before UVA loads
+        assert all(o.is_pinned() for o in objects)  # DeviceStreams checks it before UVA loads
         moves = BlockMoves(torch.tensor([3, 5, 7, 9, 11], device="cuda"),
                            torch.tensor([0, 0, 1, 2, 2], device="cuda"),
                            torch.tensor([0, 3, 1, 2, 0], device="cuda"))

@@ -25,8 +25,8 @@ from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from gemma4_kv.keys.request import (  # noqa: E402
-    ChunkKeys, RequestKeyer, Uncacheable, chunk_keys)
+from gemma4_kv.keys.request import RequestKeys, RequestKeyer, Uncacheable  # noqa: E402
+from keyer import chunk_keys  # noqa: E402
 
 CHUNK = 256
 BLOCK = 32  # vLLM's hash block (the gcd of Gemma 4's group block sizes)
@@ -66,9 +66,9 @@ def first_diff(a, b):
     return next((i for i in range(n) if a[i] != b[i]), None)
 
 
-def keys_of(req, keyer=None) -> ChunkKeys:
+def keys_of(req, keyer=None) -> RequestKeys:
     k = (keyer or RequestKeyer(CHUNK)).keys(req)
-    assert isinstance(k, ChunkKeys), k
+    assert isinstance(k, RequestKeys), k
     return k
 
 
@@ -257,7 +257,7 @@ def test_lora_id_that_changes_adapter_in_a_running_engine_is_uncacheable(tmp_pat
     assert isinstance(keyer.refresh(k, running), Uncacheable)
     # Another id on another adapter is not affected; the same id on another path is.
     other = LoRARequest("B", 2, _adapter(tmp_path / "b", 3))
-    assert isinstance(keyer.keys(request(t, lora=other)), ChunkKeys)
+    assert isinstance(keyer.keys(request(t, lora=other)), RequestKeys)
     moved = LoRARequest("A", 1, _adapter(tmp_path / "c", 1))
     assert isinstance(keyer.keys(request(t, lora=moved)), Uncacheable)
 
@@ -342,7 +342,7 @@ def test_uncacheable_requests():
     lora_prefixed = request(t, images=[("A:renderer0-mm-3-image-0", 10, 5)])
     assert isinstance(chunk_keys(lora_prefixed, CHUNK), Uncacheable)
     hashed = request(t, images=[("0f" * 32, 10, 5)])
-    assert isinstance(chunk_keys(hashed, CHUNK), ChunkKeys)
+    assert isinstance(chunk_keys(hashed, CHUNK), RequestKeys)
     assert isinstance(RequestKeyer(CHUNK, mm_content_hashed=False).keys(hashed), Uncacheable)
     assert isinstance(chunk_keys(request(t, pooling=True), CHUNK), Uncacheable)
     assert isinstance(chunk_keys(request(t, resumable=True), CHUNK), Uncacheable)
@@ -357,7 +357,7 @@ def test_reset_changes_every_key_and_stops_requests_in_flight():
     assert keyer.refresh(kw, waiting) is kw
     keyer.reset()
     fresh = keyer.refresh(kw, waiting)
-    assert isinstance(fresh, ChunkKeys) and not set(fresh.hashes) & set(kw.hashes)
+    assert isinstance(fresh, RequestKeys) and not set(fresh.hashes) & set(kw.hashes)
     assert isinstance(keyer.refresh(kr, running), Uncacheable)
     assert keyer.keys(request(t)).hashes == fresh.hashes
 

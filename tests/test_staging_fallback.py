@@ -1,5 +1,5 @@
 """Saves past `staging_mb` write pinned memory directly (README, `staging_mb`). The
-fallback lives in `Transfer.save`'s CUDA branch (a CPU save never stages: the torch
+fallback lives in `DeviceStreams.save`'s CUDA branch (a CPU save never stages: the torch
 mover copies straight into the store's objects), so on the CPU only its decision is
 tested: the ring answers "no room" (None) for a save larger than the whole buffer,
 without raising and without handing out or holding any of its memory. The save
@@ -19,7 +19,7 @@ from paged import bits, make_paged
 
 def test_a_save_larger_than_the_staging_buffer_gets_no_region_and_takes_nothing():
     pool = StagingPool(4096, torch.device("cpu"))
-    assert pool.take(4097) is None  # Transfer.save then writes pinned memory directly
+    assert pool.take(4097) is None  # DeviceStreams.save then writes pinned memory directly
     whole = pool.take(4096)  # nothing was held for the refused save
     assert whole is not None and whole.numel() == 4096
     assert pool.take(1) is None
@@ -35,7 +35,7 @@ def test_a_save_past_the_staging_buffer_writes_pinned_memory_directly_bit_exact(
     kernel writes the pinned objects itself and their trailers are left to the host
     (`host_seals`); the bytes equal those of the same save staged through a buffer
     large enough (the staged path: no host seals)."""
-    from gemma4_kv.transfer.streams import Transfer
+    from gemma4_kv.transfer.streams import DeviceStreams
 
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(5)
@@ -45,7 +45,7 @@ def test_a_save_past_the_staging_buffer_writes_pinned_memory_directly_bit_exact(
     plan = [ChunkBlocks(0, c, tuple(range(per_chunk)),
                         tuple(range(1 + c * per_chunk, 1 + (c + 1) * per_chunk)))
             for c in range(3)]
-    transfer = Transfer(dev, 32)
+    transfer = DeviceStreams(dev, 32)
 
     def save(pool):
         objs = [(torch.empty(GROUP.chunk_shape(CHUNK), dtype=GROUP.dtype, pin_memory=True),

@@ -384,7 +384,7 @@ def hang_l2(s):
     """The disk tier stops answering (a stuck mount): LMCache's lookup of a prefetch
     gets no answer until `release()`. Reaches into LMCache's real adapter, as the
     engine faults of tests/faults.py do."""
-    adapter = s.tier._sm.l2_adapters()[0][1]
+    adapter = s.tier.storage_manager.l2_adapters()[0][1]
     adapter = getattr(adapter, "_inner", adapter)
     original = adapter.query_lookup_and_lock_result
     state = {"held": True, "asked": 0}
@@ -494,7 +494,7 @@ def test_a_verification_read_that_raises_leaks_no_lock_and_offers_nothing_unveri
         data = put(s, chain, gen)
         wait_for(lambda: stored_on_disk(tmp_path, 4))
         evict(s, chain)
-        sm, fired = s.tier._sm, []
+        sm, fired = s.tier.storage_manager, []
         original = sm.unsafe_read
 
         def unsafe_read(*a, **kw):

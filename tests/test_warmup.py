@@ -17,7 +17,7 @@ from gemma4_kv.connector.metrics import Gemma4KVStats  # noqa: E402
 from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout  # noqa: E402
 from gemma4_kv.layout.plan import ChunkBlocks  # noqa: E402
 from gemma4_kv.layout import integrity  # noqa: E402
-from gemma4_kv.transfer.streams import Transfer  # noqa: E402
+from gemma4_kv.transfer.streams import DeviceStreams  # noqa: E402
 from gemma4_kv.transfer.warmup import warm_up  # noqa: E402
 from paged import make_paged  # noqa: E402
 
@@ -54,7 +54,7 @@ def caches():
 
 def test_after_the_warm_up_no_launch_is_cold(caches):
     stats = Gemma4KVStats()
-    transfer = Transfer(torch.device("cpu"), 32, stats)
+    transfer = DeviceStreams(torch.device("cpu"), 32, stats)
     warm_up(transfer, LAYOUT, caches, CHUNK)
     # gather and scatter of each group, for an odd and an even number of moves
     assert len(transfer.launches.covered) == 2 * 2 * len(LAYOUT.groups)
@@ -66,7 +66,7 @@ def test_a_shape_the_warm_up_skips_is_counted(caches):
     """Negative control: warmed with odd numbers of moves only, every launch of an even
     number (saves of whole chunks of a group with 2 or 4 blocks per chunk) is cold."""
     stats = Gemma4KVStats()
-    transfer = Transfer(torch.device("cpu"), 32, stats)
+    transfer = DeviceStreams(torch.device("cpu"), 32, stats)
     warm_up(transfer, LAYOUT, caches, CHUNK, moves=(1,))
     saves_and_loads(transfer, caches, chunks_per_save=(1,))
     # group 0: 4 blocks per chunk, group 1: 2; a save and a load each

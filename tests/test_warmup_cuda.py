@@ -15,7 +15,7 @@ from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
 from gemma4_kv.layout.plan import ChunkBlocks
 from gemma4_kv.layout import integrity
 from gemma4_kv.transfer.staging import StagingPool
-from gemma4_kv.transfer.streams import Transfer
+from gemma4_kv.transfer.streams import DeviceStreams
 from gemma4_kv.transfer.warmup import warm_up
 from paged import make_paged
 
@@ -42,7 +42,7 @@ def test_after_the_warm_up_real_saves_and_loads_compile_nothing():
                                      g.head_size, g.dtype, "LBNHC", dev, 1, gen)
               for g in LAYOUT.groups}
     stats = Gemma4KVStats()
-    transfer, pool = Transfer(dev, 32, stats), StagingPool(16 << 20, dev)
+    transfer, pool = DeviceStreams(dev, 32, stats), StagingPool(16 << 20, dev)
     warm_up(transfer, LAYOUT, caches, CHUNK, pool)
     variants, weights = compiled(), integrity._weights[str(dev)].numel()
     assert variants > 0

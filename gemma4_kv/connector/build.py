@@ -22,7 +22,7 @@ from ..transfer.loads import Loads
 from ..transfer.saves import Saves
 from ..transfer.staging import StagingPool
 from ..transfer.step_timer import StepTimer
-from ..transfer.streams import Transfer
+from ..transfer.streams import DeviceStreams
 from ..transfer.warmup import warm_up
 from .metrics import StatsFile
 
@@ -70,7 +70,7 @@ def build_worker(vllm_config, kv_cache_config, settings: ConnectorSettings,
                             f"cannot be used: {e}; fix: start the README's `lmcache "
                             "server` command line (LMCache 0.5.6, on this host) or "
                             "remove the key") from None
-    transfer = Transfer(device, settings.num_programs, stats)
+    transfer = DeviceStreams(device, settings.num_programs, stats)
     pool = StagingPool(settings.staging_mb << 20, device) if transfer.cuda else None
     record = StatsFile(settings.stats_file, layout, rank)
     record.layout_event(fp.name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..keys.request import ChunkKeys
+from ..keys.request import RequestKeys
 from ..layout.drafts import DraftPolicy
 from ..layout.groups import KVLayout
 from ..layout.plan import Retention, retention
@@ -15,16 +15,17 @@ from ..stores.base import HIGH, LOW, ChunkWrite
 @dataclass
 class RequestState:
     request: object
-    keys: ChunkKeys
+    keys: RequestKeys
     drafts: DraftPolicy
     prompt_len: int
     next_chunk: int = 0
     """First chunk not yet stored or loaded."""
     pin: int = 0
     """Number of its latest lookup: the workers name what it pinned (req_id, pin)."""
-    hit: tuple[int, int] | None = None
-    """(start, hit) of pin `pin` while the scheduler owns it: released there unless a
-    load takes it over (the workers free a load's pins once loaded, in step order)."""
+    offered: tuple[int, int] | None = None
+    """(start, end) of the hit offered to vLLM under pin `pin`, while the scheduler owns
+    that pin: released there unless a load takes it over (the workers free a load's
+    pins once loaded, in step order)."""
     from_l2: int = 0
     pending: bool = False
     """Its latest lookup was answered pending: a rank may hold a prefetch for it."""
@@ -46,7 +47,7 @@ class RequestState:
 
     def hashes(self, num_tokens: int) -> list[bytes]:
         """Keys of the first `num_tokens // chunk_size` chunks. With drafts that own KV,
-        chunk c's key also names token (c + 1) * chunk_size (`ChunkKeys.lookahead`)."""
+        chunk c's key also names token (c + 1) * chunk_size (`RequestKeys.lookahead`)."""
         n = num_tokens // self.drafts.chunk_size
         if self.drafts.lookahead:
             return self.keys.lookahead(self.request, n)

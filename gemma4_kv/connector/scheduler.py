@@ -106,11 +106,11 @@ class ConnectorScheduler:
         if st is None or not self.can_load or getattr(request, "skip_reading_prefix_cache",
                                                       False):
             return 0, False
-        if st.hit is not None and st.hit[0] == num_computed_tokens:
+        if st.offered is not None and st.offered[0] == num_computed_tokens:
             # Offered last step, not allocated (vLLM asks a waiting request again each
             # step): its pin still holds that hit, so it is offered again without asking
             # every rank to release it and pin the same objects again.
-            return st.hit[1] - num_computed_tokens, False
+            return st.offered[1] - num_computed_tokens, False
         self._release(request.request_id, st)
         # At least one prompt token must be computed by vLLM (it needs its logits); a
         # hit ends on a boundary of every group's blocks, possibly inside a chunk.
@@ -130,22 +130,22 @@ class ConnectorScheduler:
             return None, False  # an L2 tier is being asked: vLLM asks again next step
         if hit <= num_computed_tokens:
             return 0, False
-        st.hit = (num_computed_tokens, hit)
+        st.offered = (num_computed_tokens, hit)
         st.from_l2 = min(from_l2, hit - num_computed_tokens)
         return hit - num_computed_tokens, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         st = self._requests.get(request.request_id)
-        if st is None or st.hit is None:
+        if st is None or st.offered is None:
             return
-        start, hit = st.hit
+        start, hit = st.offered
         if num_external_tokens == 0:
             self._release(request.request_id, st)
             return
         if start + num_external_tokens != hit:
             raise RuntimeError(f"vLLM allocated {num_external_tokens} external tokens after "
                                f"{start}, the connector offered up to {hit}")
-        st.hit = None  # the load owns pin st.pin now: the workers free it once loaded
+        st.offered = None  # the load owns pin st.pin now: the workers free it once loaded
         n = -(-hit // self.chunk_size)
         st.next_chunk = max(st.next_chunk, hit // self.chunk_size)
         self._loads.append(LoadJob(request.request_id, start, hit,
@@ -231,8 +231,8 @@ class ConnectorScheduler:
 
     def _release(self, req_id: str, st: RequestState) -> None:
         """Drop the pin the scheduler owns (a hit offered but not loaded)."""
-        if st.hit is not None:
-            st.hit = None
+        if st.offered is not None:
+            st.offered = None
             self._release_all(req_id, st.pin)
 
     def _release_all(self, req_id: str, pin: int) -> None:

@@ -136,7 +136,7 @@ class AdapterDigests:
 # -- keys of one request ------------------------------------------------------------------
 
 @dataclass
-class ChunkKeys:
+class RequestKeys:
     """Keys of a request's full chunks so far; `extend` adds chunks as tokens arrive."""
     request_id: str
     chunk_size: int
@@ -231,7 +231,7 @@ def _embeds_field(request, start: int, end: int) -> bytes:
 # -- the keyer (one per scheduler) --------------------------------------------------------
 
 class RequestKeyer:
-    """Builds `ChunkKeys` for requests of one engine; holds what outlives a request: the
+    """Builds `RequestKeys` for requests of one engine; holds what outlives a request: the
     generation (bumped by `reset`), adapter digests and which adapter each LoRA int id
     was first seen with."""
 
@@ -258,7 +258,7 @@ class RequestKeyer:
             self.epoch += 1
             return self.generation
 
-    def keys(self, request, num_tokens: int | None = None) -> ChunkKeys | Uncacheable:
+    def keys(self, request, num_tokens: int | None = None) -> RequestKeys | Uncacheable:
         """Keys of the request's full chunks among its first `num_tokens` tokens (default:
         all). Costs one sha256 per chunk (plus the chunk's embedding rows); `extend` later."""
         bad = self._check(request)
@@ -272,11 +272,11 @@ class RequestKeyer:
             generation, epoch = self.generation, self.epoch
         root = _h(MAGIC + _f(1, generation.encode()) + _f(2, salt.encode()) + _f(3, lora))
         lora_id = request.lora_request.lora_int_id if request.lora_request else None
-        keys = ChunkKeys(request.request_id, self.chunk_size, epoch, lora_id, _root=root)
+        keys = RequestKeys(request.request_id, self.chunk_size, epoch, lora_id, _root=root)
         keys.extend(request, num_tokens)
         return keys
 
-    def refresh(self, keys: ChunkKeys, request) -> ChunkKeys | Uncacheable:
+    def refresh(self, keys: RequestKeys, request) -> RequestKeys | Uncacheable:
         """`keys` if still valid; after a `reset` (or a LoRA id that changed adapter) the
         keys of a request that has computed nothing yet are made again, and a request
         with KV computed before is uncacheable from then on (its KV mixes both)."""
@@ -351,11 +351,6 @@ def mm_identifiers_are_content_hashes(vllm_config) -> bool:
     mm = getattr(vllm_config.model_config, "multimodal_config", None)
     return not (mm is not None and mm.mm_processor_cache_gb == 0
                 and not vllm_config.cache_config.enable_prefix_caching)
-
-
-def chunk_keys(request, chunk_size: int, num_tokens: int | None = None) -> ChunkKeys | Uncacheable:
-    """One-off keys with a fresh keyer (generation "", nothing bound): tests, tools."""
-    return RequestKeyer(chunk_size).keys(request, num_tokens)
 
 
 def placeholder_spans(request) -> list[tuple[int, int]]:

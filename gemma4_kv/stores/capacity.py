@@ -97,7 +97,9 @@ class Capacity:
 
     # -- what is stored ---------------------------------------------------------------
     def live_ends(self) -> dict[EndKey, str]:
-        """Live ends and the segment each is in (tests, stats)."""
+        """Live ends and the segment each is in. Nothing here decides on it: the soak
+        benchmark counts them (tests/faults.py `snapshot`) to show the bookkeeping does
+        not grow, and the tests check which segment an end is in."""
         with self._lock:
             return dict(self._rank.where)
 

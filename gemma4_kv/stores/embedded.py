@@ -301,7 +301,8 @@ class EmbeddedStore(ChunkStore):
 
     def drop_l1(self) -> None:
         """Empty L1, as a fresh engine's is (the L2 tiers keep theirs); objects a reader
-        holds go once released."""
+        holds go once released. For measuring loads from L2 without restarting the
+        engine: benchmarks/bench_ttft.py and the fault tests (tests/faults.py)."""
         self.delete(self.capacity.tracked())
         self.l2.l1_cleared()
         self.tier.clear()

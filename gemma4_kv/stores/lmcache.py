@@ -392,8 +392,17 @@ class StorageLayer:
         return self._sm.get_l1_usage()
 
     def status(self) -> dict:
-        """LMCache's own account of L1: object, read- and write-locked counts, bytes."""
+        """LMCache's own account of L1: object, read- and write-locked counts, bytes.
+        The store decides nothing on it; it is how an outside check sees what L1 holds
+        (the soak benchmark's snapshots, through tests/faults.py, and the tests)."""
         return self._sm.report_status()["l1_manager"]
+
+    @property
+    def storage_manager(self):
+        """LMCache's StorageManager itself, the one way to it from outside this module:
+        fault injection (tests/faults.py, tests/test_store.py replace its reads and its
+        L2 adapters' answers) reaches it here. The store uses the methods above only."""
+        return self._sm
 
     def l2_writes_in_flight(self) -> int:
         """Published objects waiting for LMCache's store thread, plus its L2 store tasks

@@ -18,7 +18,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 def bundled_config(name: str) -> Path:
     """Path of a bundled config such as `gemma4-31b-like`."""
-    return Path(str(resources.files("gemma4_kv.configs") / f"{name}.json"))
+    return Path(str(resources.files("gemma4_kv.model_shapes") / f"{name}.json"))
 
 
 def _indices(names) -> str:

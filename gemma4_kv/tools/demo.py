@@ -5,7 +5,7 @@
 Without `--model` it builds a small random-weight Gemma 4 (5 sliding : 1 full layers,
 head dims 64 / 128, a window smaller than the prompt, KV-shared last layers). It uses
 the GPU and the Triton kernels when one is present, vLLM's CPU build otherwise.
-`--shared` runs two engines against one shared store instead (`demo_shared.py`).
+`--shared` runs two engines against one shared store instead (`demo_two_engines.py`).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     from .harness import connector_config, shim_kwargs
 
     if args.shared:
-        from .demo_shared import run
+        from .demo_two_engines import run
         from ..layout.from_hf import load_text_config
 
         vocab = load_text_config(model).vocab_size

@@ -16,7 +16,10 @@ SPEC: {"model": dir, "connector": bool,
        "steps": [STEP, ...]}               or a script of steps (instead of "prompts"):
 STEP:  {"prompts": [PROMPT, ...], "batch": bool (all in flight at once),
         "max_tokens": n} | {"call": "module:function", "kwargs": {...}} (run on every
-        worker through collective_rpc: fault injection, weight updates) | {"reset": true}
+        worker through collective_rpc: a caller's probes, counters or faults; with
+        vLLM's engine in processes of its own the caller sets
+        VLLM_ALLOW_INSECURE_SERIALIZATION=1, as vLLM sends the function pickled) |
+        {"reset": true}
         (llm.reset_prefix_cache(reset_connector=True)) | {"metrics": true} (vLLM's
         Prometheus counters so far, [[name, labels, value]]: needs "disable_log_stats":
         false in "engine")
@@ -94,7 +97,7 @@ def run(spec: dict) -> dict:
         importlib.import_module(name).install()  # the forked engine core inherits it
 
     kwargs = dict(model=spec["model"], load_format="dummy", skip_tokenizer_init=True,
-                  seed=0, enable_prefix_caching=False)
+                  seed=0, enable_prefix_caching=False, worker_extension_cls=WORKER_EXTENSION)
     kwargs.update(shim_kwargs())
     kwargs.update(spec.get("engine", {}))
     if spec.get("speculative_config"):
@@ -113,7 +116,7 @@ def run(spec: dict) -> dict:
     llm = LLM(**kwargs)
     startup = time.perf_counter() - t0
     if kwargs["load_format"] == "dummy":
-        llm.collective_rpc(sharpen_dummy_weights)
+        llm.collective_rpc("sharpen_dummy_weights")
     out = {"outputs": [], "cached": [], "ttft": [], "startup_s": startup, "steps": []}
     steps = spec.get("steps") or [{"prompts": spec["prompts"]}]
     for step in steps:
@@ -187,6 +190,17 @@ def _prompt(p, spec: dict, llm):
     return prompt, lora
 
 
+WORKER_EXTENSION = "gemma4_kv.tools.harness.HarnessWorker"  # by name: "__main__" under -m
+
+
+class HarnessWorker:
+    """vLLM worker extension of harness engines: what the harness runs on every worker,
+    called by name, so no function has to be pickled across vLLM's processes."""
+
+    def sharpen_dummy_weights(self) -> int:
+        return sharpen_dummy_weights(self)
+
+
 def sharpen_dummy_weights(worker) -> int:
     """collective_rpc target. vLLM's dummy weights are U(-1e-3, 1e-3) for everything,
     Gemma 4's per-layer `layer_scalar` and its RMSNorm weights included, so each layer
@@ -232,8 +246,6 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     spec = json.loads(Path(argv[0]).read_text())
     os.environ.setdefault("PYTHONHASHSEED", "0")
-    # collective_rpc with functions (sharpen_dummy_weights, fault injection in tests)
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     result = run(spec)
     Path(argv[1]).write_text(json.dumps(result))
     _exit_now(0)

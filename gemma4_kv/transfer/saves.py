@@ -1,7 +1,7 @@
 """Saves: the chunks a step completed, from vLLM's cache into the store, as jobs.
 
 `submit` runs in `wait_for_save`, on the model thread, while the blocks are certainly
-still the request's: it reserves the objects, starts the copies (`Transfer.save`) and
+still the request's: it reserves the objects, starts the copies (`DeviceStreams.save`) and
 queues the commit behind a fence event; the commit runs once the copies have landed
 (trailers still owed are written on the host first). A request's end is queued behind
 its saves, so the store learns it only after its last objects are committed.

@@ -48,7 +48,9 @@ class QueuedLoads:
         return self.started.elapsed_time(self.done) / 1e3
 
 
-class Transfer:
+class DeviceStreams:
+    """One device's copy streams and the loads and saves that run on them."""
+
     def __init__(self, device: torch.device, num_programs: int, stats=None):
         self.device = device
         self.num_programs = num_programs

@@ -9,7 +9,7 @@ Triton compiles a variant per launch signature (`kernels.launch.BlockCopy.signat
 besides the group's geometry, whether each argument's address is 16-byte aligned. The
 moves' chunk numbers sit 8 bytes per move after their block ids, so an odd and an even
 number of moves make two signatures: both are warmed. Every signature warmed is
-recorded (`Transfer.launches`); a later launch of another one counts as a cold launch.
+recorded (`DeviceStreams.launches`); a later launch of another one counts as a cold launch.
 Off CUDA the same moves run through the torch mover, so the signatures of real saves
 and loads can be checked against warm-up's there too.
 

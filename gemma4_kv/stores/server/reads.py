@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Lookup:
+class ServerLookup:
     """A lookup in flight: per group asked, a server session whose leading run of
     `hashes` gets locked."""
 
@@ -58,7 +58,7 @@ class _Prepared:
 
 
 @dataclass
-class Pin:
+class ReadLocks:
     """Read locks a lookup holds on the server: what `read` may map, until `release`."""
 
     space: Space
@@ -87,7 +87,7 @@ class ServerReads:
 
     # -- lookup -----------------------------------------------------------------------
     def start_lookup(self, hashes: Sequence[bytes], groups: Iterable[int] | None = None
-                     ) -> Lookup:
+                     ) -> ServerLookup:
         """Ask `groups` (default: all) for the leading run of `hashes` they hold, without
         waiting (the server may bring chunks up from its L2 tiers first)."""
         conn = self.conn
@@ -102,21 +102,21 @@ class ServerReads:
         except BaseException:
             self._close_read(space)
             raise
-        return Lookup(space, tuple(hashes), tokens, rids, acks, conn.epoch)
+        return ServerLookup(space, tuple(hashes), tokens, rids, acks, conn.epoch)
 
     def _close_read(self, space) -> None:
         with self.conn.state:
             space.open_reads -= 1
         self.conn.settle(space)
 
-    def forget(self, lk: Lookup) -> None:
+    def forget(self, lk: ServerLookup) -> None:
         """A lookup given up unfinished (no answer, or the server down): its locks, if
         any, expire with the server's read-lock TTL."""
         if lk.open:
             lk.open = False
             self._close_read(lk.space)
 
-    def poll_lookup(self, lk: Lookup) -> bool:
+    def poll_lookup(self, lk: ServerLookup) -> bool:
         """Whether every group has answered (`lk.found`); never waits. A call unanswered
         for `timeout_s` marks the server down (ServerUnavailable); a server still reading
         its L2 answers "not yet" in time and is left to finish."""
@@ -152,7 +152,7 @@ class ServerReads:
             conn.mark_down(f"no answer to a lookup within {conn.timeout_s} s")
         return False
 
-    def wait_lookup(self, lk: Lookup) -> None:
+    def wait_lookup(self, lk: ServerLookup) -> None:
         """Wait for `lk` up to the timeout (ServerUnavailable after it)."""
         deadline = time.monotonic() + self.conn.timeout_s
         while not self.poll_lookup(lk):
@@ -168,7 +168,7 @@ class ServerReads:
         return [conn.client.free_lookup_locks(conn.key(space, gid, tokens, a, b, rid, None), 1)
                 for a, b in runs(indices)]
 
-    def keep(self, lk: Lookup, chunks: Sequence[tuple[int, int]]) -> Pin | None:
+    def keep(self, lk: ServerLookup, chunks: Sequence[tuple[int, int]]) -> ReadLocks | None:
         """Hold the locks of these (chunk index, group id) objects of a finished lookup
         and free all others; None (nothing held) if any of them was not found. The frees
         are sent, not waited for (`later`): nothing here needs their answers."""
@@ -197,10 +197,10 @@ class ServerReads:
         if not ok:
             return None
         self.conn.l1.use(lk.epoch, 1)
-        return Pin(lk.space, lk.tokens, tuple(chunks), {g: lk.rids[g] for g in want},
+        return ReadLocks(lk.space, lk.tokens, tuple(chunks), {g: lk.rids[g] for g in want},
                    {g: runs(cs) for g, cs in want.items()}, lk.epoch, freeing=freeing)
 
-    def drop(self, lk: Lookup) -> None:
+    def drop(self, lk: ServerLookup) -> None:
         """Free every lock of a finished lookup (nothing kept)."""
         self.keep(lk, ())
 
@@ -213,7 +213,8 @@ class ServerReads:
             if closing:
                 self._close_read(space)
 
-    def lock(self, hashes: Sequence[bytes], chunks: Sequence[tuple[int, int]]) -> Pin | None:
+    def lock(self, hashes: Sequence[bytes],
+             chunks: Sequence[tuple[int, int]]) -> ReadLocks | None:
         """Pin these (chunk index, group id) objects of the chain `hashes`; all or none."""
         if not chunks:
             return None
@@ -226,7 +227,7 @@ class ServerReads:
         return self.keep(lk, chunks)
 
     # -- read -------------------------------------------------------------------------
-    def read(self, pin: Pin) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    def read(self, pin: ReadLocks) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """(KV, trailer) views of the pinned objects in the server's L1, in `pin.chunks`
         order (valid until `release`), or None if the server no longer has them all."""
         conn = self.conn
@@ -274,7 +275,7 @@ class ServerReads:
                 got.update({(a + i, g): o for i, o in enumerate(objects)})
         return [got[c] for c in pin.chunks]
 
-    def release(self, pin: Pin) -> None:
+    def release(self, pin: ReadLocks) -> None:
         """Give the pinned objects back (a run several pins share is handed back on the
         server when its last user lets go) on `later`'s thread: the caller (the model
         thread, after a load) neither waits for the server nor for the lock a read in
@@ -283,7 +284,7 @@ class ServerReads:
             pin.open = False
             self.conn.later.submit(self._released, pin)
 
-    def _released(self, pin: Pin) -> None:
+    def _released(self, pin: ReadLocks) -> None:
         try:
             futures, rids = self._release(pin)
             if rids and self.conn.healthy:
@@ -292,7 +293,7 @@ class ServerReads:
             self._close_read(pin.space)
             self.conn.l1.use(pin.epoch, -1)
 
-    def _release(self, pin: Pin) -> tuple[list, list[str]]:
+    def _release(self, pin: ReadLocks) -> tuple[list, list[str]]:
         """Send what gives the pin's locks back: (the calls to wait for, the sessions to
         end after them)."""
         conn = self.conn

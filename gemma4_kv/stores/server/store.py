@@ -45,7 +45,7 @@ from ...layout import integrity
 from ..base import ChunkKey, ChunkStore, ChunkWrite, Pinned, Prefetch, Reservation, StoreCapabilities
 from ..config import ServerConfig
 from .connection import ServerConnection, ServerUnavailable, runs
-from .reads import Lookup, Pin, ServerReads
+from .reads import ReadLocks, ServerLookup, ServerReads
 from .windows import assign, end_chunk, window_hashes, window_need
 from .writes import ServerWrites, Write
 
@@ -71,7 +71,7 @@ class _Hit:
 
     start: int
     end: int
-    pins: list[Pin]
+    pins: list[ReadLocks]
     views: dict[ChunkKey, torch.Tensor]
     """(chain hash, group id) -> KV view in the server's L1, or its verified copy on the
     GPU (`device_bytes`), valid until released."""
@@ -81,12 +81,12 @@ class _Hit:
 
 
 @dataclass
-class _Prefetch(Prefetch):
+class _ServerPrefetch(Prefetch):
     chain: tuple[bytes, ...] = ()
     start: int = 0
     limit: int = 0
-    full: Lookup | None = None
-    windows: dict[int, Lookup] = field(default_factory=dict)
+    full: ServerLookup | None = None
+    windows: dict[int, ServerLookup] = field(default_factory=dict)
     """End chunk -> the lookup of its window chain (sliding groups)."""
     rounds: int = 0
     checking: tuple[_Hit, integrity.Verification, list] | None = None
@@ -96,7 +96,7 @@ class _Prefetch(Prefetch):
 
 
 @dataclass
-class _Reservation(Reservation):
+class _ServerReservation(Reservation):
     writes: list[Write] = field(default_factory=list)
 
 
@@ -121,7 +121,7 @@ class ServerStore(ChunkStore):
                          if g.kind is AttentionKind.SLIDING]
         self._object_bytes = {g.group_id: chunk_size * g.bytes_per_token
                               for g in layout.groups}
-        self._inflight: list[_Prefetch] = []  # lookup thread
+        self._inflight: list[_ServerPrefetch] = []  # lookup thread
         # Verified hits per chain, newest last (requests of one prompt each get their
         # own): lookup thread only.
         self._ready: dict[tuple[bytes, ...], list[_Hit]] = {}
@@ -146,7 +146,7 @@ class ServerStore(ChunkStore):
 
     # -- lookup -----------------------------------------------------------------------
     def start_prefetch(self, chain: Sequence[bytes], start: int, limit: int) -> Prefetch:
-        p = _Prefetch(time.monotonic(), chain=tuple(chain), start=start, limit=limit)
+        p = _ServerPrefetch(time.monotonic(), chain=tuple(chain), start=start, limit=limit)
         n = min(len(chain), -(-limit // self.chunk_size))
         if limit <= start or n == 0:
             p.finished = True
@@ -159,7 +159,7 @@ class ServerStore(ChunkStore):
             self._give_up(p)
         return p
 
-    def _ask_windows(self, p: _Prefetch, ends: list[int]) -> None:
+    def _ask_windows(self, p: _ServerPrefetch, ends: list[int]) -> None:
         """Look up the window chains the hits ending at `ends` read."""
         p.rounds += 1
         if not self._sliding:
@@ -195,7 +195,7 @@ class ServerStore(ChunkStore):
         end = min(limit, min(len(chain), -(-limit // c)) * c)
         return sum(self._object_bytes[g] for g, _ in hit_chunks(self.layout, start, end, c))
 
-    def _advance(self, p: _Prefetch) -> bool:
+    def _advance(self, p: _ServerPrefetch) -> bool:
         """One step of `p`; whether it has finished."""
         if p.checking is not None:
             return self._checked(p) if p.checking[1].done() else False
@@ -217,7 +217,7 @@ class ServerStore(ChunkStore):
             return True
         return self._hold_and_check(p, end)
 
-    def _runs(self, lk: Lookup | None, groups) -> dict[int, int]:
+    def _runs(self, lk: ServerLookup | None, groups) -> dict[int, int]:
         """Per group, the leading run a lookup found, cut at the first object known bad."""
         out = {}
         for g in groups:
@@ -229,7 +229,7 @@ class ServerStore(ChunkStore):
             out[g] = n
         return out
 
-    def _choose(self, p: _Prefetch) -> tuple[int | None, list[int]]:
+    def _choose(self, p: _ServerPrefetch) -> tuple[int | None, list[int]]:
         """(the longest end every object of whose hit the server holds, or None; the
         shorter ends whose window chains were not asked yet)."""
         c = self.chunk_size
@@ -254,7 +254,7 @@ class ServerStore(ChunkStore):
                 return end, []
         return None, unasked
 
-    def _hold_and_check(self, p: _Prefetch, end: int) -> bool:
+    def _hold_and_check(self, p: _ServerPrefetch, end: int) -> bool:
         """Keep the locks of the hit ending at `end` (free the others), map its objects
         and start their verification."""
         c, chain = self.chunk_size, p.chain
@@ -319,7 +319,7 @@ class ServerStore(ChunkStore):
             self._device_bytes += nbytes
         return True
 
-    def _checked(self, p: _Prefetch) -> bool:
+    def _checked(self, p: _ServerPrefetch) -> bool:
         """The verification of `p`'s hit has finished: offer it, or drop what failed and
         try a shorter end."""
         hit, check, names = p.checking
@@ -358,7 +358,7 @@ class ServerStore(ChunkStore):
             return True
         return False
 
-    def _give_up(self, p: _Prefetch) -> None:
+    def _give_up(self, p: _ServerPrefetch) -> None:
         """`p` finds nothing: every lock it holds goes (or expires on the server)."""
         for lk in (p.full, *p.windows.values()):
             if lk is not None and lk.open:
@@ -376,7 +376,7 @@ class ServerStore(ChunkStore):
 
     def finish_prefetch(self, prefetch: Prefetch) -> None:
         """The lookup is done with `prefetch`: its verified hit goes back unless pinned."""
-        if not isinstance(prefetch, _Prefetch):
+        if not isinstance(prefetch, _ServerPrefetch):
             return
         prefetch.done_with = True
         hit = prefetch.hit
@@ -493,7 +493,7 @@ class ServerStore(ChunkStore):
         chain = write.chain
         cells = [(write.first + i, g) for i, gids in enumerate(write.groups) for g in gids]
         if not cells or not self.conn.healthy:
-            return _Reservation({})
+            return _ServerReservation({})
         full = [(c, g) for c, g in cells if g in self._full]
         windows = assign(self.layout, self.chunk_size, write.ends,
                          [(c, g) for c, g in cells if g in self._sliding])
@@ -507,7 +507,7 @@ class ServerStore(ChunkStore):
         for e, per_group in windows.items():
             k = max(j for js in per_group.values() for j in js) + 1
             plans.append((window_hashes(chain, e, k), per_group, lambda j, e=e: e - j))
-        res = _Reservation({})
+        res = _ServerReservation({})
         epoch, ns = self.conn.epoch, self.conn.space.namespace
         try:
             for keys, per_group, chunk_of in plans:
@@ -526,7 +526,7 @@ class ServerStore(ChunkStore):
                     res.objects[(h, g)] = (kv, trailer, integrity.key64(wns, h, g))
         except ServerUnavailable:
             self.abort(res)
-            return _Reservation({})
+            return _ServerReservation({})
         return res
 
     def commit(self, reservation: Reservation) -> None:
