@@ -32,14 +32,15 @@ PRELOAD = ("torch", "vllm", "vllm.v1.engine.core", "vllm.v1.engine.llm_engine",
 """What the zygote imports (not LMCache: the connector sets LMCACHE_LOG_LEVEL before
 LMCache's first import)."""
 READ_LATER = {"VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
-              "VLLM_ENABLE_V1_MULTIPROCESSING"}
+              "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOG_STATS_INTERVAL"}
 """Variables that may differ between a forked engine and the zygote: vLLM reads them when
 it starts an engine or a worker; so does this package its GEMMA4_KV_* ones (and the
-tests theirs), never at import."""
+tests theirs), and LMCache, which the zygote does not import, its LMCACHE_* ones."""
 
 
 def _read_later(key: str) -> bool:
-    return key in READ_LATER or key.startswith(("GEMMA4_KV_", "G4KV_", "PYTEST_"))
+    return key in READ_LATER or key.startswith(("GEMMA4_KV_", "G4KV_", "LMCACHE_",
+                                                "PYTEST_"))
 
 
 def _differs(a: dict, b: dict) -> set[str]:
