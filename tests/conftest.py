@@ -92,14 +92,36 @@ def _engines_stay_out_of_process():
 
 
 # -- engines: one vLLM cache for the run, a pool, and the modules run alone ---------------
+BESIDE_ENGINES = frozenset({
+    "test_architecture", "test_capacity", "test_connector_config", "test_drafts",
+    "test_engine_identity", "test_hf_layout", "test_integrity", "test_layout_vllm",
+    "test_lmcache_format", "test_mover", "test_needs", "test_plan", "test_request_keys",
+    "test_tier_sim", "test_warmup", "test_weights_identity"})
+"""Modules that start no engine and wait for no thread, server or timeout of the
+connector: they run while the engine pool's first jobs start, on the core those jobs
+leave (most of these tests use one)."""
+
+
 def _engine_group(item) -> int:
-    """Order of the test run: tests that start no engine; the modules whose engines run
-    side by side (`engine_jobs`); the modules whose steps run alone (`start_engines`).
-    No test reads a clock, but those modules' faults meet the connector's own short
-    timeouts (a rank's answer, an L2 wait, the lmcache server's): an engine computing
-    beside them could make a lookup outlast one and change an exact hit."""
+    """Order of the test run: tests that start no engine and meet the connector's own
+    short timeouts (a rank's answer, an L2 wait, a server's), alone; those that meet
+    none (`BESIDE_ENGINES`), while the engine pool starts; the modules whose engines run
+    side by side (`engine_jobs`); the modules whose steps run alone (`start_engines`):
+    their faults meet those timeouts, and an engine computing beside them could make a
+    lookup outlast one and change an exact hit."""
     mod = item.module
-    return 1 if hasattr(mod, "engine_jobs") else 2 if hasattr(mod, "start_engines") else 0
+    if hasattr(mod, "engine_jobs"):
+        return 2
+    if hasattr(mod, "start_engines"):
+        return 3
+    return 1 if mod.__name__ in BESIDE_ENGINES else 0
+
+
+@pytest.fixture(autouse=True)
+def _engines_start_beside(request):
+    """The first test of a `BESIDE_ENGINES` module starts the engine pool (its jobs)."""
+    if _engine_group(request.node) == 1:
+        request.getfixturevalue("engine_pool")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -129,7 +151,7 @@ def engine_pool(request, tmp_path_factory):
 
     selected: dict = {}
     for item in request.session.items:
-        if "engine_pool" in item.fixturenames and _engine_group(item):
+        if "engine_pool" in item.fixturenames and _engine_group(item) >= 2:
             selected.setdefault(item.module, set()).update({item.originalname, item.name})
     jobs, lazy = [], {}
     for mod, names in selected.items():
