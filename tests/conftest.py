@@ -175,7 +175,7 @@ def engine_pool(request, tmp_path_factory):
 
 
 _timeline: list[tuple[str, float, float]] = []  # engine pool jobs: (key, start, end) in s
-_engines: dict[str, int] = {}  # harness engines forked from the zygote / started afresh
+_engines: dict = {}  # harness engines forked from the zygote / started afresh, and why
 
 
 def _report_timeline(tr) -> None:

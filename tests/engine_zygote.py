@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -151,6 +152,10 @@ class Zygote:
             if self._proc is not None and self._proc.poll() is None:
                 self._proc.kill()
                 self._proc.wait()
+            if self._dir is not None:
+                self._log.close()
+                shutil.rmtree(self._dir, ignore_errors=True)
+                self._dir = None
 
 
 ZYGOTE = Zygote()
@@ -182,7 +187,6 @@ def _child(req: dict, keep_open: list, fds: tuple) -> None:
         from gemma4_kv.tools import harness
 
         harness.main(req["argv"])  # exits
-        rc = 0
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001 - reported on the child's stderr
