@@ -161,6 +161,7 @@ def engine_pool(request, tmp_path_factory):
         else:
             lazy[(mod.__name__, "start")] = \
                 lambda mod=mod, names=names: mod.start_engines(tmp_path_factory, names)
+    _resolve_lazy_imports()
     pool = EnginePool(pool_slots())
     for _, key, fn, units in sorted(jobs, key=lambda j: -j[0]):
         pool.submit(key, fn, units)
@@ -172,6 +173,17 @@ def engine_pool(request, tmp_path_factory):
     from engine_zygote import ZYGOTE
 
     _engines.update(forked=ZYGOTE.forked, spawned=ZYGOTE.spawned, why=sorted(ZYGOTE.why))
+
+
+def _resolve_lazy_imports() -> None:
+    """Import, on this thread, the transformers classes pool jobs build configs from.
+    transformers' lazy module is not thread-safe: two jobs that first touch
+    `transformers.Gemma4TextConfig` at once can see the half-imported module and fail
+    with "module 'transformers' has no attribute 'Gemma4TextConfig'"."""
+    import transformers
+
+    for name in ("Gemma4TextConfig", "Gemma4Config", "Gemma4AssistantConfig"):
+        getattr(transformers, name)
 
 
 _timeline: list[tuple[str, float, float]] = []  # engine pool jobs: (key, start, end) in s
