@@ -18,6 +18,14 @@ if not _HAS_CUDA:
     # Must be set before any @triton.jit function is defined.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("PYTHONHASHSEED", "0")
+if not _HAS_CUDA:
+    # Every process this run starts (engines, benchmarks, servers) gets one OpenMP
+    # thread. vLLM's CPU worker binds its compute to one core (tests/e2e_common.py
+    # `Cores`), but an OpenMP pool created before that binding keeps a second thread
+    # that spins after each parallel region on the same core: two tiny engines side by
+    # side took 43 s for 27 prefills with it and 12 s without. This process keeps its
+    # own pool (torch is imported above), so engine-free tests still use both cores.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 """vLLM sets it to 0 in os.environ when it builds an external_launcher ParallelConfig;
