@@ -25,13 +25,14 @@ import random
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
-from e2e_common import run_group  # noqa: E402
+from e2e_common import CORES, run_group  # noqa: E402
 
 from gemma4_kv.tools.harness import save_config, tiny_gemma4_config  # noqa: E402
 
@@ -87,7 +88,10 @@ def series(steps: list[dict], out: dict, batches: list[dict]) -> list[dict]:
 
 
 def run_engine(tmp: Path, name: str, model: str, steps: list[dict], *, connector: bool,
-               cpu_gb: float, timeout: int) -> tuple[dict, list[dict], float]:
+               cpu_gb: float, timeout: int, core: int | None = None
+               ) -> tuple[dict, list[dict], float]:
+    """One engine over `steps`; `core`: the CPU its worker is bound to (vLLM's automatic
+    binding puts every engine's worker on the same first CPU)."""
     spec = {"model": model, "connector": connector, "engine": ENGINE,
             "steps": [{k: v for k, v in s.items() if k != "after"} for s in steps],
             "extra_config": {"cpu_gb": cpu_gb, "retention_interval": 512}}
@@ -101,6 +105,8 @@ def run_engine(tmp: Path, name: str, model: str, steps: list[dict], *, connector
                VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
                GEMMA4_KV_FAULTS_SCHEDULER_LOG=str(sched_log))
+    if core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     t0 = time.perf_counter()
     proc = run_group([sys.executable, "-P", "-m", "gemma4_kv.tools.harness", str(spec_path),
                       str(out_path)], env=env, timeout=timeout)
@@ -113,17 +119,33 @@ def run_engine(tmp: Path, name: str, model: str, steps: list[dict], *, connector
 
 
 def soak(tmp: Path, requests: int, *, seed: int = 0, cpu_gb: float = 0.03,
-         snapshots: int = 4, timeout: int = 3600, **shape) -> dict:
-    """Run both engines; `shape`: `workload`'s docs, doc_len, tail, batch."""
+         snapshots: int = 4, timeout: int = 3600, side_by_side: bool = False,
+         **shape) -> dict:
+    """Run both engines, one after the other (their wall times are reported), or, with
+    `side_by_side`, at once on cores of their own (tests: nothing there is timed);
+    `shape`: `workload`'s docs, doc_len, tail, batch."""
     shape = {"docs": 6, "doc_len": 1024, "tail": 200, "batch": 16} | shape
     model = save_config(tiny_gemma4_config(window=100), tmp / "model")
     batches = workload(requests, seed=seed, **shape)
     steps = with_snapshots(batches, snapshots, "snapshot")
     base_steps = with_snapshots(batches, snapshots, "rss")
-    out, calls, wall = run_engine(tmp, "soak", model, steps, connector=True, cpu_gb=cpu_gb,
-                                  timeout=timeout)
-    base, _, base_wall = run_engine(tmp, "base", model, base_steps, connector=False,
-                                    cpu_gb=cpu_gb, timeout=timeout)
+    runs = [("soak", steps, True), ("base", base_steps, False)]
+
+    def run(name, steps, connector, core=None):
+        return run_engine(tmp, name, model, steps, connector=connector, cpu_gb=cpu_gb,
+                          timeout=timeout, core=core)
+
+    if side_by_side:
+        with ThreadPoolExecutor(2) as ex:
+            cores = [CORES.take() for _ in runs]
+            try:
+                futures = [ex.submit(run, *r, core=c) for r, c in zip(runs, cores)]
+                (out, calls, wall), (base, _, base_wall) = [f.result() for f in futures]
+            finally:
+                for c in cores:
+                    CORES.give(c)
+    else:
+        (out, calls, wall), (base, _, base_wall) = [run(*r) for r in runs]
     got, want = out["outputs"], base["outputs"]
     differing = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
     tokens = sum(sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))

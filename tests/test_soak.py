@@ -35,18 +35,19 @@ The engine core (the scheduler half) must grow less than this too."""
 
 
 def engine_jobs(tmp_path_factory, selected):
-    """The soak's two engines (one after the other), beside other modules' engines
+    """The soak's two engines (side by side), beside other modules' engines
     (tests/conftest.py `engine_pool`): it checks tokens and memory, never time."""
     def run():
         tmp = tmp_path_factory.mktemp("soak")
         # benchmarks/soak.py gives its engines tmp/vllm-cache: the test run's one
         if os.environ.get("VLLM_CACHE_ROOT"):
             (tmp / "vllm-cache").symlink_to(os.environ["VLLM_CACHE_ROOT"])
-        out = soak.soak(tmp, REQUESTS, cpu_gb=CPU_GB, snapshots=4, timeout=900, **SHAPE)
+        out = soak.soak(tmp, REQUESTS, cpu_gb=CPU_GB, snapshots=4, timeout=900,
+                        side_by_side=True, **SHAPE)
         (tmp / "report.json").write_text(json.dumps(out, indent=1))
         return out
 
-    return [("report", 150.0, run)]
+    return [("report", 150.0, run, 2)]  # two engines at once: two units of memory
 
 
 @pytest.fixture(scope="module")
