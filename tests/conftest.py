@@ -14,11 +14,10 @@ try:
 except ImportError:  # pragma: no cover
     _HAS_CUDA = False
 
+os.environ.setdefault("PYTHONHASHSEED", "0")
 if not _HAS_CUDA:
     # Must be set before any @triton.jit function is defined.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("PYTHONHASHSEED", "0")
-if not _HAS_CUDA:
     # Every process this run starts (engines, benchmarks, servers) gets one OpenMP
     # thread. vLLM's CPU worker binds its compute to one core (tests/e2e_common.py
     # `Cores`), but an OpenMP pool created before that binding keeps a second thread
@@ -184,13 +183,14 @@ def engine_pool(request, tmp_path_factory):
 
 
 def _resolve_lazy_imports() -> None:
-    """Import, on this thread, the transformers classes pool jobs build configs from.
+    """Import, on this thread, the transformers classes pool jobs build configs from
+    (tiny_gemma4_config, e2e_common's MTP assistant, eagle_draft's Llama draft).
     transformers' lazy module is not thread-safe: two jobs that first touch
     `transformers.Gemma4TextConfig` at once can see the half-imported module and fail
     with "module 'transformers' has no attribute 'Gemma4TextConfig'"."""
     import transformers
 
-    for name in ("Gemma4TextConfig", "Gemma4Config", "Gemma4AssistantConfig"):
+    for name in ("Gemma4TextConfig", "Gemma4AssistantConfig", "LlamaConfig"):
         getattr(transformers, name)
 
 
