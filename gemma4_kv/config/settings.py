@@ -106,6 +106,10 @@ class ConnectorSettings:
         1.0, "seconds one call to `lmcache_server` may wait for an answer before the "
         "server counts as down (misses until it answers again); at most "
         f"{ServerConfig.TIMEOUT_MAX_S:g}", number(above=0), shown="1")
+    lmcache_server_read_ttl_s: int = _key(
+        300, "the `lmcache server`'s read-lock lifetime (`--l1-read-ttl-seconds`, 300 by "
+        "default); at most what the server was started with: a hit is offered to a load "
+        "only in the first half of it and pinned again after", integer(2), shown="300")
     lmcache_log_level: str = _key(
         "WARNING", "level of LMCache's own logs (DEBUG/INFO/WARNING/ERROR); its per-request "
         "INFO lines stay out of vLLM's log unless asked", choice(LOG_LEVELS))
@@ -170,7 +174,7 @@ class ConnectorSettings:
             raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
         if self.lmcache_server:
             return ServerConfig(self.lmcache_server, self.lmcache_server_timeout_s,
-                                self.retention_interval)
+                                self.retention_interval, self.lmcache_server_read_ttl_s)
         return StoreConfig(cpu_bytes=int(self.cpu_gb * GiB) // ranks,
                            disk_path=self.disk_path, disk_gb=self.disk_gb / ranks,
                            l2_adapters=tuple(copy.deepcopy(self.l2_adapters)),

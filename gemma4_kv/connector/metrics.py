@@ -29,6 +29,8 @@ COUNTERS = {
     "save_blocks": ("Blocks stored (all layers of a group)", None),
     "saves": ("Save jobs started (copies of a step's chunks into the store)", None),
     "saves_committed": ("Save jobs whose objects the store has made visible", None),
+    "saves_failed": ("Save jobs the store failed (nothing of them stored; the engine "
+                     "goes on)", None),
     "lookups": ("Lookups answered by a worker rank", None),
     "lookup_seconds": ("Time spent answering lookups", "s"),
     "hit_tokens": ("Tokens of the hits pinned for vLLM", None),

@@ -30,6 +30,7 @@ and do nothing (`fetch_bytes`, `in_flight`, `on_request_finished`).
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -72,6 +73,13 @@ class Pinned:
     views: dict[ChunkKey, torch.Tensor]
     handles: list = field(default_factory=list)
     """What the store gives back on release (its own locks)."""
+    fresh_until: float = math.inf
+    """`time.monotonic()` after which the pin must not be offered to a new load: a
+    store whose hold on the objects lapses on its own (the `lmcache server`'s read
+    locks have a TTL) says when; the lookup then pins again. Until `held_until` a load
+    offered before `fresh_until` may still read it."""
+    held_until: float = math.inf
+    """When the store's hold may lapse: a load must have finished reading by then."""
 
 
 @dataclass
@@ -176,9 +184,11 @@ class ChunkStore(abc.ABC):
             req_id: str = "") -> Pinned | None:
         """Hold and check every object a hit of tokens [start, hit) of `chain` reads, for
         request `req_id`: all or nothing (None, holding nothing). What it returns stays
-        valid, through `reset` too, until `release`d exactly once; the load only copies
-        from its views. May wait only where the hit was not prefetched (a rank asked
-        to pin what another found), for at most a few of the store's call timeouts."""
+        valid, through `reset` too, until `release`d exactly once or its `held_until`
+        passes, whichever comes first; it is offered to loads only before its
+        `fresh_until`; the load only copies from its views. May wait only where the hit
+        was not prefetched (a rank asked to pin what another found), for less than the
+        scheduler's wait for a rank's answer (`connector.scheduler.RANK_TIMEOUT_S`)."""
 
     @abc.abstractmethod
     def release(self, pinned: Pinned | None) -> None:

@@ -52,6 +52,9 @@ class ServerConfig:
     """Seconds one call may wait for the server's answer before it counts as down."""
     retention_interval: int = 0
     """Tokens between stored sliding-window chunks (the scheduler's; 0: every chunk)."""
+    read_ttl_s: float = 300.0
+    """The server's read-lock lifetime (`--l1-read-ttl-seconds`): past it the server may
+    evict a read-locked object and reuse its slot, so a pin is trusted only within it."""
 
     TIMEOUT_MAX_S = 1.5
     """Most `timeout_s`: below the scheduler's 2 s wait for a worker rank's lookup answer

@@ -30,6 +30,6 @@ def open_store(config: StoreConfig | ServerConfig, layout: KVLayout, fingerprint
         return ServerStore(layout, fingerprint, chunk_size, url=config.url,
                            timeout_s=config.timeout_s, cuda=device.type == "cuda",
                            stats=stats, retention_interval=config.retention_interval,
-                           device=device)
+                           read_ttl_s=config.read_ttl_s, device=device)
     except (ServerUnavailable, UnsupportedServer) as e:
         raise StoreUnavailable(str(e)) from None

@@ -62,6 +62,15 @@ class Loads(JobQueue):
                 raise RuntimeError(f"gemma4-kv: request {job.req_id} was offered a hit of "
                                    f"[{job.start}, {job.hit}) that rank {self.rank} did "
                                    f"not pin ({hit and (hit.start, hit.hit)})")
+            if time.monotonic() >= hit.pinned.held_until:
+                # Offered before its `fresh_until`, loaded after the store's hold may have
+                # lapsed: only a step longer than that margin gets here. Its objects may
+                # be another engine's KV by now, and vLLM cannot recompute a failed
+                # synchronous load of a hybrid model: stop rather than load them.
+                self.lookups.done(hit)
+                raise RuntimeError(f"gemma4-kv: request {job.req_id}'s hit was loaded after "
+                                   "the store's hold on it may have lapsed (the step took "
+                                   "longer than half of lmcache_server_read_ttl_s)")
             plan = load_blocks(self.layout, job.start, job.hit, self.chunk_size, job.block_ids)
             for cb in plan:
                 items[cb.group_id].append((cb, hit.pinned.views[(job.hashes[cb.chunk],

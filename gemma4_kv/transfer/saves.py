@@ -9,6 +9,7 @@ its saves, so the store learns it only after its last objects are committed.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 
@@ -16,6 +17,8 @@ from ..layout.plan import save_blocks
 from ..layout import integrity
 from ..stores.base import ChunkStore, Reservation
 from .jobs import FinishJob, JobQueue, SaveJob
+
+logger = logging.getLogger(__name__)
 
 
 class Saves(JobQueue):
@@ -25,6 +28,7 @@ class Saves(JobQueue):
         self.store, self.layout, self.caches = store, layout, caches
         self.transfer, self.pool, self.chunk_size = transfer, pool, chunk_size
         self.stats, self.record = stats, record
+        self._warned_until = 0.0
 
     def submit(self, job: SaveJob) -> None:
         t0 = time.perf_counter()
@@ -37,7 +41,11 @@ class Saves(JobQueue):
         # Groups whose blocks were already freed (the null block) cannot be stored.
         write.groups = [tuple(cb.group_id for cb in plans[write.chain[write.first + i]])
                         for i in range(len(write.groups))]
-        reservation = self.store.reserve(write) if any(write.groups) else Reservation({})
+        try:
+            reservation = self.store.reserve(write) if any(write.groups) else Reservation({})
+        except Exception:  # noqa: BLE001 - a save is never worth the engine
+            self._failed(write)
+            return
         per_group = defaultdict(list)
         for h, blocks in plans.items():
             for cb in blocks:
@@ -68,6 +76,18 @@ class Saves(JobQueue):
         self._submitted(self.transfer.fence(), commit)
         end = (write.first + len(write.groups)) * self.chunk_size
         self.record("save", write.req_id, write.first * self.chunk_size, end, planned, t0)
+
+    def _failed(self, write) -> None:
+        """The store raised on a save (a bug, LMCache failing): nothing of it is
+        stored, which costs later requests a recomputation and nothing else. Logged
+        with its traceback at most every 10 s."""
+        self.stats.add("saves_failed", 1)
+        now = time.monotonic()
+        if now >= self._warned_until:
+            self._warned_until = now + 10.0
+            logger.exception("gemma4-kv: the store failed a save of request %s (chunks "
+                             "%d-%d): not stored", write.req_id, write.first,
+                             write.first + len(write.groups) - 1)
 
     def finish(self, job: FinishJob) -> None:
         """The request ended: once its saves are committed, the store may drop what it

@@ -94,19 +94,22 @@ class Later:
 
 def server_argv(lmcache: str, *, port: int, shm_name: str, l1_gb: float, http_port: int,
                 host: str = "localhost", chunk_size: int = 8, write_ttl_s: int = 30,
-                workers: int = 2, l2_adapters: Sequence[str] = ()) -> list[str]:
+                read_ttl_s: int = 300, workers: int = 2,
+                l2_adapters: Sequence[str] = ()) -> list[str]:
     """Command line of a server this client can use (the README shows the same).
 
     The write TTL must stay below the reap timeout (120 s): 0.5.6 commits a dead client's
     unfinished reservations when it reaps the client (`_release_entry` -> `finish_write`),
-    unless they expired first. `--l2-prefetch-policy retain` keeps objects brought up from
-    L2 in L1 after their first read.
+    unless they expired first. The read TTL is stated, not left to LMCache's default:
+    clients trust a pin only within it (`lmcache_server_read_ttl_s`). `--l2-prefetch-policy
+    retain` keeps objects brought up from L2 in L1 after their first read.
     """
     argv = [lmcache, "server", "--supported-transfer-mode", "engine_driven",
             "--shm-name", shm_name, "--no-l1-use-lazy", "--l1-size-gb", str(l1_gb),
             "--chunk-size", str(chunk_size), "--eviction-policy", "LRU",
             "--host", host, "--port", str(port), "--http-port", str(http_port),
-            "--l1-write-ttl-seconds", str(write_ttl_s), "--max-workers", str(workers),
+            "--l1-write-ttl-seconds", str(write_ttl_s),
+            "--l1-read-ttl-seconds", str(read_ttl_s), "--max-workers", str(workers),
             "--l2-prefetch-policy", "retain", "--disable-observability",
             "--periodic-notifier-interval-ms", "1"]
     for spec in l2_adapters:

@@ -37,6 +37,9 @@ class ServerLookup:
     polls: dict[int, object] = field(default_factory=dict)
     found: dict[int, int] = field(default_factory=dict)
     """Group id -> leading chunks held (and read-locked), once answered."""
+    sent: float = field(default_factory=time.monotonic)
+    """When the lookup was sent: the server takes its read locks later, so their TTL
+    runs out no earlier than `sent` + the TTL."""
     asked: float = field(default_factory=time.monotonic)
     """When the calls now unanswered were sent."""
     open: bool = True
@@ -68,6 +71,8 @@ class ReadLocks:
     sessions: dict[int, str]
     runs: dict[int, list[tuple[int, int]]]
     epoch: int
+    locked_at: float
+    """When the lookup that took these locks was sent (`ServerLookup.sent`)."""
     read_runs: set[tuple[int, int, int]] = field(default_factory=set)
     spent: set[tuple[int, int, int]] = field(default_factory=set)
     """Runs whose locks the server already gave up (a failed retrieve)."""
@@ -94,6 +99,7 @@ class ServerReads:
         conn.check()
         space, tokens = conn.space, conn.tokens(hashes)
         rids = {g: conn.new_rid() for g in (space.names if groups is None else groups)}
+        sent = time.monotonic()
         with conn.state:
             space.open_reads += 1
         try:
@@ -102,7 +108,7 @@ class ServerReads:
         except BaseException:
             self._close_read(space)
             raise
-        return ServerLookup(space, tuple(hashes), tokens, rids, acks, conn.epoch)
+        return ServerLookup(space, tuple(hashes), tokens, rids, acks, conn.epoch, sent=sent)
 
     def _close_read(self, space) -> None:
         with self.conn.state:
@@ -198,7 +204,8 @@ class ServerReads:
             return None
         self.conn.l1.use(lk.epoch, 1)
         return ReadLocks(lk.space, lk.tokens, tuple(chunks), {g: lk.rids[g] for g in want},
-                   {g: runs(cs) for g, cs in want.items()}, lk.epoch, freeing=freeing)
+                   {g: runs(cs) for g, cs in want.items()}, lk.epoch, lk.sent,
+                   freeing=freeing)
 
     def drop(self, lk: ServerLookup) -> None:
         """Free every lock of a finished lookup (nothing kept)."""

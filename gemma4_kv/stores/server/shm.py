@@ -111,18 +111,23 @@ class SharedL1:
     def views(self, group: KVGroup, chunk_size: int, slots: list[dict], slot_count: int
               ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """(KV, trailer) views of reserved or retrieved slots, or None if the server's
-        objects are not what this client registered."""
+        objects are not what this client registered or lie outside its L1 segment."""
         shape = group.chunk_shape(chunk_size)
         kv_bytes = 2 * len(group.layers) * chunk_size * group.num_kv_heads \
             * group.head_size * group.dtype.itemsize
         want = [2, len(group.layers), slot_count, group.num_kv_heads * group.head_size]
         out = []
         for s in slots:
-            if list(s["shape"]) != want \
-                    or s["dtype"] != str(group.dtype).removeprefix("torch.") \
-                    or s["offset"] % 8 or s["length"] < kv_bytes + SEAL_BYTES:
+            offset, length = s.get("offset"), s.get("length")
+            if list(s.get("shape", ())) != want \
+                    or s.get("dtype") != str(group.dtype).removeprefix("torch.") \
+                    or not isinstance(offset, int) or not isinstance(length, int) \
+                    or offset < 0 or offset % 8 or length < kv_bytes + SEAL_BYTES \
+                    or self.pool is None or offset + kv_bytes + SEAL_BYTES > self.size:
+                # A slot outside the segment would be a view of other memory (or no
+                # view at all): whatever the server meant, nothing is read or written.
                 return None
-            raw = self.pool[s["offset"]:s["offset"] + kv_bytes + SEAL_BYTES]
+            raw = self.pool[offset:offset + kv_bytes + SEAL_BYTES]
             out.append((raw[:kv_bytes].view(group.dtype).view(shape),
                         raw[kv_bytes:].view(integrity.SEAL_DTYPE)))
         return out

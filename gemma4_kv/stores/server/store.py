@@ -30,6 +30,7 @@ skipped save at once, until its heartbeat gets answers again.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -78,6 +79,16 @@ class _Hit:
     device_bytes: int = 0
     space: object = None
     """The registrations it was looked up in (a reset replaces them)."""
+    held_until: float = math.inf
+    """While its views are in the server's L1: when the server's read locks on them
+    may lapse (the earliest lookup's send time + the read TTL). Past it the server
+    may evict the objects and reuse their slots for another engine's KV."""
+    fresh_until: float = math.inf
+    """Offered to a new load only before this: half the TTL before `held_until`, the
+    margin for a load offered just before it."""
+
+    def stale(self, now: float) -> bool:
+        return now >= self.fresh_until
 
 
 @dataclass
@@ -106,8 +117,9 @@ class ServerStore(ChunkStore):
     def __init__(self, layout: KVLayout, fingerprint: str, chunk_size: int, *, url: str,
                  timeout_s: float = 1.0, cuda: bool = False, stats=None,
                  ping_interval_s: float = 20.0, retention_interval: int = 0,
-                 device: torch.device | str = "cpu"):
+                 read_ttl_s: float = 300.0, device: torch.device | str = "cpu"):
         self.layout, self.fingerprint, self.chunk_size = layout, fingerprint, chunk_size
+        self.read_ttl_s = read_ttl_s
         self.namespace = fingerprint
         self.stats = stats
         self.retention_interval = retention_interval
@@ -284,13 +296,18 @@ class ServerStore(ChunkStore):
             for other, lk in p.windows.items():
                 if other != e and lk.open:
                     self.reads.drop(lk)
-        except ServerUnavailable:
+        except Exception as e:  # noqa: BLE001 - the locks kept so far go back either way
+            if not isinstance(e, ServerUnavailable):
+                logger.warning("gemma4-kv: a hit on %s could not be held (%s): a miss",
+                               self.conn.url, e)
             for pin in pins:
                 self.reads.release(pin)
             self._give_up(p)
             return True
+        locked = min(pin.locked_at for pin in pins)
         hit = _Hit(p.start, end, pins, {ck: kv for ck, kv, _, _ in objects},
-                   space=p.full.space)
+                   space=p.full.space, held_until=locked + self.read_ttl_s,
+                   fresh_until=locked + self.read_ttl_s / 2)
         nbytes = sum(kv.numel() * kv.element_size() for _, kv, _, _ in objects)
         keep = self._take_device(nbytes)
         check = integrity.Verification([(kv, t, key) for _, kv, t, key in objects],
@@ -329,6 +346,7 @@ class ServerStore(ChunkStore):
             # The load reads the verified copies on the GPU: the server's locks go now.
             hit.views = dict(zip(hit.views, check.copies))
             self._release_pins(hit)
+            hit.held_until = hit.fresh_until = math.inf
         if not bad:
             p.hit, p.finished, p.finished_at = hit, True, time.monotonic()
             if p.done_with:
@@ -391,7 +409,7 @@ class ServerStore(ChunkStore):
         """Per group id, the chunk indices of `chain` the newest verified hit of exactly
         `chain` holds; nothing otherwise."""
         out = {g.group_id: set() for g in self.layout.groups}
-        entries = self._ready.get(tuple(chain))
+        entries = self._drop_stale(tuple(chain))
         if entries:
             index = {h: i for i, h in enumerate(chain)}
             for h, g in entries[-1].views:
@@ -413,10 +431,25 @@ class ServerStore(ChunkStore):
             held = self._fetch_now(chain, start, hit, cells)
         if held is None:
             return None
-        return Pinned({ck: held.views[ck] for ck in cells}, [held])
+        return Pinned({ck: held.views[ck] for ck in cells}, [held],
+                      fresh_until=held.fresh_until, held_until=held.held_until)
+
+    def _drop_stale(self, chain: tuple) -> list[_Hit]:
+        """The verified hits of `chain` still fresh (those past `fresh_until` go back:
+        the server's read locks on them may lapse before a load could read them)."""
+        entries = self._ready.get(chain)
+        if not entries:
+            return []
+        now = time.monotonic()
+        for h in [h for h in entries if h.stale(now)]:
+            entries.remove(h)
+            self._release_hit(h)
+        if not entries:
+            self._ready.pop(chain, None)
+        return entries
 
     def _take_ready(self, chain: tuple, cells: list[ChunkKey]) -> _Hit | None:
-        entries = self._ready.get(chain, [])
+        entries = self._drop_stale(chain)
         for i in range(len(entries) - 1, -1, -1):
             h = entries[i]
             if all(ck in h.views for ck in cells):
@@ -430,9 +463,11 @@ class ServerStore(ChunkStore):
         return None
 
     def _fetch_now(self, chain, start: int, hit: int, cells) -> _Hit | None:
-        """Look the hit up and verify it, waiting (at most a few server timeouts)."""
+        """Look the hit up and verify it, waiting at most `ServerConfig.TIMEOUT_MAX_S`:
+        the scheduler waits 2 s for this rank's answer to the Repin that asked it, so a
+        slow server makes the request a miss rather than an unanswered rank."""
         p = self.start_prefetch(chain, start, hit)
-        deadline = time.monotonic() + 4 * self.conn.timeout_s
+        deadline = time.monotonic() + ServerConfig.TIMEOUT_MAX_S
         self.poll()
         while not p.finished:
             if time.monotonic() > deadline:
@@ -448,7 +483,8 @@ class ServerStore(ChunkStore):
             entries.remove(h)
         if not entries:
             self._ready.pop(p.chain, None)
-        if not all(ck in h.views for ck in cells):
+        # Verified, but too late to trust for a load (a TTL shorter than the wait).
+        if h.stale(time.monotonic()) or not all(ck in h.views for ck in cells):
             self._release_hit(h)
             return None
         return h
@@ -495,7 +531,11 @@ class ServerStore(ChunkStore):
         if not cells or not self.conn.healthy:
             return _ServerReservation({})
         full = [(c, g) for c, g in cells if g in self._full]
-        windows = assign(self.layout, self.chunk_size, write.ends,
+        # An end past the chain's last chunk has no key to name its window chain: with
+        # a draft that owns KV the chain is one hash shorter than the prompt's chunks
+        # (`RequestKeys.lookahead`), so the prompt's own end may not be keyable yet.
+        ends = [t for t in write.ends if end_chunk(t, self.chunk_size) < len(chain)]
+        windows = assign(self.layout, self.chunk_size, ends,
                          [(c, g) for c, g in cells if g in self._sliding])
         plans = []  # (server chain, {group: positions}, position -> chain chunk)
         if full:
@@ -524,9 +564,11 @@ class ServerStore(ChunkStore):
                 for (i, g), (kv, trailer) in w.objects.items():
                     h = chain[chunk_of(i)]
                     res.objects[(h, g)] = (kv, trailer, integrity.key64(wns, h, g))
-        except ServerUnavailable:
+        except BaseException as e:  # what was reserved before it is never left open
             self.abort(res)
-            return _ServerReservation({})
+            if isinstance(e, ServerUnavailable):
+                return _ServerReservation({})
+            raise
         return res
 
     def commit(self, reservation: Reservation) -> None:

@@ -10,10 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .connection import ServerConnection, Space
-from .shm import UnsupportedServer
+from .connection import ServerConnection, ServerUnavailable, Space
 
 logger = logging.getLogger(__name__)
+
+
+class BadSlots(ServerUnavailable):
+    """The server answered a reservation with slots this client cannot use (another
+    shape, outside its L1): that write stores nothing; the server stays in use."""
 
 
 @dataclass
@@ -50,7 +54,8 @@ class ServerWrites:
         futures = {(g, a, b): conn.client.prepare_store(
             conn.key(space, g, tokens, a, b, rid), space.ids[g])
             for g, rs in runs.items() for a, b in rs}
-        objects, reserved = {}, []
+        objects, reserved, bad = {}, [], None
+        epoch = conn.epoch
         with conn.state:  # counted until committed: never unregistered while open
             space.open_writes += 1
         try:
@@ -61,23 +66,29 @@ class ServerWrites:
                     continue
                 reserved.append((g, a, b))
                 views = conn.views(slots, g)
-                if views is None:
-                    raise UnsupportedServer(f"server reserved objects of another shape for "
-                                            f"group {g}")
+                if views is None or len(idx) != len(views) \
+                        or any(not isinstance(i, int) or not 0 <= i < b - a for i in idx):
+                    bad = g
+                    continue
                 objects.update({(a + i, g): v for i, v in zip(idx, views)})
         except BaseException:
             if not reserved:
                 with conn.state:
                     space.open_writes -= 1
             raise
-        epoch = conn.epoch
         if not reserved:
             with conn.state:
                 space.open_writes -= 1
             conn.later.submit(conn.finish, [], [rid])
-        else:
-            conn.l1.use(epoch, 1)
-        return Write(space, tokens, rid, reserved, objects, epoch)
+            return Write(space, tokens, rid, reserved, objects, epoch)
+        conn.l1.use(epoch, 1)
+        write = Write(space, tokens, rid, reserved, objects, epoch)
+        if bad is not None:
+            # Slots of another shape, or outside the server's L1: nothing is written
+            # into them, and what was reserved is left to expire unseen.
+            self.abort(write)
+            raise BadSlots(f"{conn.url} reserved unusable slots for group {bad}")
+        return write
 
     def _close_write(self, write: Write) -> None:
         """The write's views are done with (committed, aborted, or its server gone)."""
