@@ -300,3 +300,164 @@ def test_cut_before_by_hand():
     assert cut_before(1024, [(1024, 1100)], 64) == 1024  # a hit may end where one starts
     assert cut_before(1024, [(900, 1024)], 64) == 1024  # ... or where one ends
     assert cut_before(1024, [(950, 1000), (1000, 1064)], 64) == 896  # 1000 -> 960 -> 950
+
+
+class _RankAnswers:
+    """Rank `rank` of `half` behind a handler that changes its answers the way a rank
+    with other tiers would (`change(msg, real_answer) -> answer`), on the real service:
+    restored by `close`."""
+
+    def __init__(self, half, rank: int, change):
+        from gemma4_kv.lookup.channel import LookupServer
+
+        self.half, self.rank = half, rank
+        self.address = half.servers[rank].address
+        service = half.services[rank]
+        half.servers[rank].close()
+        half.servers[rank] = LookupServer(self.address,
+                                          lambda msg: change(msg, service.handle))
+
+    def close(self):
+        from gemma4_kv.lookup.channel import LookupServer
+
+        self.half.servers[self.rank].close()
+        self.half.servers[self.rank] = LookupServer(self.address,
+                                                    self.half.services[self.rank].handle)
+
+
+def test_a_rank_still_asking_an_l2_tier_while_another_pinned_leaks_no_pin(half):
+    """Rank 0 answers each request's first lookup `pending` (its L2 tier is slower),
+    rank 1 pins at once. Before the fix the next lookup pinned under a new name and
+    the request's end released only that one: rank 1 kept one pin per request for
+    good (3 after 3 requests; at MAX_PINNED every lookup on it missed)."""
+    from gemma4_kv.lookup import messages
+
+    first: set[str] = set()
+
+    def slower(msg, handle):
+        if isinstance(msg, messages.Lookup) and msg.req_id not in first:
+            first.add(msg.req_id)
+            handle(messages.Release(msg.req_id, msg.pin))  # what a new lookup does first
+            return messages.LookupReply(pending=True)
+        return handle(msg)
+
+    rank0 = _RankAnswers(half, 0, slower)
+    try:
+        for _ in range(3):
+            r = half.request(PROMPT)
+            assert half.connector.get_num_new_matched_tokens(r, 0) == (None, False)
+            assert half.pinned() == [set(), {r.request_id}]  # mixed: pending and pinned
+            hit, meta = half.schedule(r)  # asked again: both ranks answer and pin
+            assert hit == HIT
+            half.work(meta)
+            r.num_computed_tokens = r.num_tokens
+            half.finish(r)
+        assert half.pinned() == NONE
+        aborted = half.request(PROMPT)  # pending on rank 0, pinned on rank 1, aborted
+        assert half.connector.get_num_new_matched_tokens(aborted, 0) == (None, False)
+        half.connector.request_finished_all_groups(aborted, ((),) * len(half.layout.groups))
+        assert half.pinned() == NONE
+    finally:
+        rank0.close()
+
+
+class _Clock:
+    def __init__(self):
+        import time
+
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_hit_is_offered_again_only_while_every_ranks_pin_is_fresh(half, monkeypatch):
+    """A store whose hold on a hit lapses (the `lmcache server`'s read TTL) says for
+    how long its pin may be offered (`fresh_s`). A request that waits for blocks is
+    offered the same pin each step only within it; past it, every rank pins anew.
+    Before the fix the scheduler re-offered the first pin for as long as the request
+    waited. The scheduler's clock is the test's (`_Clock`); by hand: fresh for 100 s
+    on rank 0 and 40 s on rank 1, so offered again at +39 s, looked up again at +41 s."""
+    import msgspec
+
+    from gemma4_kv.connector import scheduler as scheduler_module
+    from gemma4_kv.lookup import messages
+
+    lookups = []
+
+    def fresh_for(seconds):
+        def change(msg, handle):
+            reply = handle(msg)
+            if isinstance(msg, messages.Lookup):
+                lookups.append(msg.pin)
+                return msgspec.structs.replace(reply, fresh_s=seconds)
+            return reply
+        return change
+
+    clock = _Clock()
+    monkeypatch.setattr(scheduler_module, "time", clock)
+    ranks = [_RankAnswers(half, 0, fresh_for(100.0)), _RankAnswers(half, 1, fresh_for(40.0))]
+    try:
+        r = half.request(PROMPT)
+        assert half.connector.get_num_new_matched_tokens(r, 0) == (HIT, False)
+        first = list(lookups)
+        assert len(first) == 2
+        clock.now += 39
+        assert half.connector.get_num_new_matched_tokens(r, 0) == (HIT, False)
+        assert lookups == first  # offered again: no rank asked
+        clock.now += 2
+        assert half.connector.get_num_new_matched_tokens(r, 0) == (HIT, False)
+        assert len(lookups) == 4 and lookups[2:] == [first[0] + 1] * 2  # pinned anew
+        hit, meta = half.schedule(r, hit=HIT)
+        assert [j.pin for j in meta.loads] == [first[0] + 1]
+        half.work(meta)
+        r.num_computed_tokens = r.num_tokens
+        half.finish(r)
+        assert half.pinned() == NONE  # the first pins went back when it pinned anew
+    finally:
+        for rank in ranks:
+            rank.close()
+
+
+def test_a_repin_left_unanswered_counts_as_an_unanswered_lookup(half, monkeypatch):
+    """Ranks that answer different hits are asked to re-pin; one that leaves the Repin
+    unanswered (a server store looking the shorter hit up) is the request's miss and
+    counts towards the pause after unanswered lookups, and the release after it is
+    told, not waited for. Before the fix it counted nothing, and the scheduler then
+    waited for the release behind the same busy rank: twice the rank timeout."""
+    import threading
+
+    import msgspec
+
+    from gemma4_kv.lookup import messages
+
+    go = threading.Event()
+
+    def disagree(msg, handle):
+        if isinstance(msg, messages.Lookup):
+            reply = handle(msg)  # pins 1024 like rank 0 but says it pinned 768
+            return msgspec.structs.replace(reply, pinned=768)
+        if isinstance(msg, messages.Repin):
+            go.wait(30)
+        return handle(msg)
+
+    stats = half.connector._scheduler.stats
+    rank1 = _RankAnswers(half, 1, disagree)
+    sent = []
+    client = half.connector._scheduler.ranks.client
+    real_ask = client.ask_all
+    monkeypatch.setattr(client, "ask_all", lambda msg: (sent.append(type(msg).__name__),
+                                                       real_ask(msg))[1])
+    try:
+        before = stats.data.get("lookups_unanswered", 0)
+        r = half.request(PROMPT)
+        assert half.connector.get_num_new_matched_tokens(r, 0) == (0, False)
+        assert stats.data["lookups_unanswered"] == before + 1
+        assert sent == ["Lookup", "Repin"]  # the releases after it were told
+        go.set()
+        monkeypatch.undo()
+        half.connector.request_finished_all_groups(r, ((),) * len(half.layout.groups))
+        assert half.pinned() == NONE
+    finally:
+        go.set()
+        rank1.close()

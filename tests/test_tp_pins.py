@@ -55,6 +55,12 @@ def ranks():
         store.close()
 
 
+def sync(client) -> None:
+    """Wait until every rank has handled what was told it so far (releases are told,
+    not asked: a rank handles its messages in order)."""
+    assert client.ask_all(messages.Release("sync")) == [messages.Done(ok=True)] * 2
+
+
 def pinned_keys(store, service, req_id):
     hit = service._hits.get((req_id, 0))
     return set() if hit is None else set(hit.pinned.handles[1])
@@ -83,7 +89,7 @@ def test_ranks_answering_different_hits_pin_exactly_the_common_one(ranks):
     assert [r.pinned for r in replies] == [1024, 768]
     client.ask_all(messages.Release("r1"))
 
-    hit, _ = lookup_all_ranks(client, lookup)
+    hit, _, _ = lookup_all_ranks(client, lookup)
     assert hit == 768
     need = set(hit_chunks(LAYOUT, 0, 768, CHUNK))
     assert (0, 10) in need and (0, 14) not in need  # the 768 hit reads other sliding chunks
@@ -105,7 +111,8 @@ def test_no_common_hit_releases_every_pin(ranks):
     gen = torch.Generator().manual_seed(1)
     hashes = chunk_hashes(list(range(4 * CHUNK)), CHUNK)
     put(stores[0], hashes, gen)  # rank 1 stores nothing
-    assert lookup_all_ranks(client, messages.Lookup("r2", hashes, 0, 4 * CHUNK)) == (0, 0)
+    assert lookup_all_ranks(client, messages.Lookup("r2", hashes, 0, 4 * CHUNK)) == (0, 0, None)
+    sync(client)
     for store in stores:
         assert locked(store, hashes) == set()
     assert all(not s._hits for s in services)
@@ -128,14 +135,15 @@ def test_a_store_read_that_raises_on_one_rank_is_that_requests_miss_only(ranks, 
 
     lookup = messages.Lookup("r3", hashes, 0, 8 * CHUNK - 16)
     monkeypatch.setattr(stores[1], "pin", failing)
-    assert lookup_all_ranks(client, lookup) == (0, 0)  # not RanksDown
+    assert lookup_all_ranks(client, lookup) == (0, 0, None)  # not RanksDown
+    sync(client)
     for store in stores:
         assert locked(store, hashes) == set()
     assert all(not s._hits and not s._pending for s in services)
     put(stores[0], hashes, gen, ends=both)  # `locked` emptied the stores
     put(stores[1], hashes[:6], gen)
     monkeypatch.setattr(stores[1], "pin", original)
-    hit, _ = lookup_all_ranks(client, messages.Lookup("r4", hashes, 0, 8 * CHUNK - 16))
+    hit, _, _ = lookup_all_ranks(client, messages.Lookup("r4", hashes, 0, 8 * CHUNK - 16))
     # By hand: rank 1 holds chunks 0-5 of the full group and, for its one end at 384,
     # the sliding window before it (tokens 284-383: chunks 4-5), so 384 is the only hit
     # it can serve; rank 0 holds the same objects (its LOW end at 384) and more. The
@@ -161,11 +169,12 @@ def test_pinned_requests_are_capped_per_engine_and_a_lookup_beyond_misses(ranks,
     for store in stores:
         put(store, hashes, gen, ends=[(4 * CHUNK, HIGH)])
     ask = lambda r: lookup_all_ranks(client, messages.Lookup(r, hashes, 0, 4 * CHUNK))  # noqa: E731
-    assert ask("p1") == (4 * CHUNK, 0) and ask("p2") == (4 * CHUNK, 0)
-    assert ask("p3") == (0, 0)
+    assert ask("p1") == (4 * CHUNK, 0, None) and ask("p2") == (4 * CHUNK, 0, None)
+    assert ask("p3") == (0, 0, None)
+    sync(client)
     assert all(s.pinned_requests() == {"p1", "p2"} for s in services)
     client.ask_all(messages.Release("p1"))
-    assert ask("p3") == (4 * CHUNK, 0)
+    assert ask("p3") == (4 * CHUNK, 0, None)
     for r in ("p2", "p3"):
         client.ask_all(messages.Release(r))
     for store in stores:
@@ -190,7 +199,7 @@ def test_a_repin_the_chunks_cannot_hold_is_a_miss_without_a_store_read(ranks, mo
         monkeypatch.setattr(store, "pin", lambda *a, _o=original, **kw: (asked.append(a),
                                                                          _o(*a, **kw))[1])
     assert client.ask_all(messages.Repin("bad", hashes, start, hit)) == \
-        [messages.Done(ok=False)] * 2
+        [messages.Done(ok=False)] * 2  # embedded pins never go stale: fresh_s None
     assert asked == [] and all(not s.pinned_requests() for s in services)
     assert client.ask_all(messages.Repin("good", hashes, 0, 4 * CHUNK)) == \
         [messages.Done(ok=True)] * 2

@@ -3,6 +3,7 @@ lookup, what it stored so far, and which of its chunks a step completes and save
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..keys.request import RequestKeys
@@ -26,6 +27,9 @@ class RequestState:
     """(start, end) of the hit offered to vLLM under pin `pin`, while the scheduler owns
     that pin: released there unless a load takes it over (the workers free a load's
     pins once loaded, in step order)."""
+    offered_until: float = math.inf
+    """`time.monotonic()` until which the offered hit may be offered again (the
+    ranks' `fresh_s`, counted from when the lookup was sent)."""
     from_l2: int = 0
     pending: bool = False
     """Its latest lookup was answered pending: a rank may hold a prefetch for it."""

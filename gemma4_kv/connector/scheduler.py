@@ -16,7 +16,9 @@ stored (`layout.drafts.DraftPolicy`).
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
 
 from ..config.settings import ConnectorSettings
 from ..keys.engine import engine_identity
@@ -106,10 +108,12 @@ class ConnectorScheduler:
         if st is None or not self.can_load or getattr(request, "skip_reading_prefix_cache",
                                                       False):
             return 0, False
-        if st.offered is not None and st.offered[0] == num_computed_tokens:
+        if st.offered is not None and st.offered[0] == num_computed_tokens \
+                and time.monotonic() < st.offered_until:
             # Offered last step, not allocated (vLLM asks a waiting request again each
             # step): its pin still holds that hit, so it is offered again without asking
-            # every rank to release it and pin the same objects again.
+            # every rank to release it and pin the same objects again, until the store
+            # says its hold may lapse (`Pinned.fresh_until`): then it is looked up anew.
             return st.offered[1] - num_computed_tokens, False
         self._release(request.request_id, st)
         # At least one prompt token must be computed by vLLM (it needs its logits); a
@@ -122,8 +126,13 @@ class ConnectorScheduler:
         limit = cut_before(limit, spans, m)
         if limit <= num_computed_tokens or self.ranks.paused():
             return 0, False
-        st.pin += 1
-        hit, from_l2 = self.ranks.lookup(messages.Lookup(
+        if not st.pending:
+            # A new name for what this lookup pins. After an answer `pending` the name
+            # is reused: ranks that did pin then release it before pinning again, so a
+            # pin of a rank that answered while another was still asking never leaks.
+            st.pin += 1
+        asked = time.monotonic()
+        hit, from_l2, fresh_s = self.ranks.lookup(messages.Lookup(
             request.request_id, hashes, num_computed_tokens, limit, spans, st.pin))
         st.pending = hit is None
         if hit is None:
@@ -131,6 +140,7 @@ class ConnectorScheduler:
         if hit <= num_computed_tokens:
             return 0, False
         st.offered = (num_computed_tokens, hit)
+        st.offered_until = math.inf if fresh_s is None else asked + fresh_s
         st.from_l2 = min(from_l2, hit - num_computed_tokens)
         return hit - num_computed_tokens, False
 

@@ -59,16 +59,23 @@ class LookupReply(msgspec.Struct, tag=True, frozen=True):
     """`pending`: an L2 tier is still being asked, look up again later.
     `pinned`: hit length whose objects are now pinned (0: nothing pinned).
     `candidates`: every hit length this rank could serve, descending.
-    `from_l2`: how many of the pinned hit's tokens came up from an L2 tier."""
+    `from_l2`: how many of the pinned hit's tokens came up from an L2 tier.
+    `fresh_s`: for how many more seconds the pin may be offered to a load (None: as
+    long as it is held; see `stores.base.Pinned.fresh_until`)."""
 
     pending: bool = False
     pinned: int = 0
     candidates: list[int] = []
     from_l2: int = 0
+    fresh_s: float | None = None
 
 
 class Done(msgspec.Struct, tag=True, frozen=True):
+    """`ok`: the request was carried out. `fresh_s`: after a `Repin`, as in
+    `LookupReply`."""
+
     ok: bool
+    fresh_s: float | None = None
 
 
 class Failed(msgspec.Struct, tag=True, frozen=True):

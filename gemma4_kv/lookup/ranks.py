@@ -17,30 +17,39 @@ class RanksDown(Exception):
     """A worker rank did not answer (or failed) a lookup."""
 
 
-def lookup_all_ranks(client: LookupClient, lookup: messages.Lookup) -> tuple[int | None, int]:
-    """(hit, tokens of it brought up from L2) that every rank can serve and has pinned
-    exactly, (None, 0) while a rank is still asking an L2 tier (its pins, if any, are
-    dropped when it is asked again or the request ends), or (0, 0). The ranks that chose
-    another hit than the common one re-pin, so no rank reads an object it did not pin,
-    nor keeps one pinned that no load reads."""
+def lookup_all_ranks(client: LookupClient, lookup: messages.Lookup
+                     ) -> tuple[int | None, int, float | None]:
+    """(hit, tokens of it brought up from L2, seconds it may still be offered to a
+    load: None for no limit) that every rank can serve and has pinned exactly; hit None
+    while a rank is still asking an L2 tier (what the others pinned stays named
+    (req_id, pin): the next lookup of the request reuses that name, and a rank
+    releases it before it pins again), or 0. The ranks that chose another hit than the
+    common one re-pin, so no rank reads an object it did not pin, nor keeps one pinned
+    that no load reads. A rank that does not answer, the re-pin included, raises
+    `RanksDown`; releases are told, never waited for."""
     replies = client.ask_all(lookup)
     if replies is None or any(not isinstance(r, messages.LookupReply) for r in replies):
         raise RanksDown
     if any(r.pending for r in replies):
-        return None, 0
+        return None, 0, None
     common = set(replies[0].candidates).intersection(*(r.candidates for r in replies))
     hit = max(common, default=0)
     release = messages.Release(lookup.req_id, lookup.pin)
     if hit <= lookup.start:
-        client.ask_all(release)
-        return 0, 0
+        client.tell_all(release)
+        return 0, 0, None
+    fresh = [r.fresh_s for r in replies]
     if any(r.pinned != hit for r in replies):
         done = client.ask_all(messages.Repin(lookup.req_id, lookup.hashes, lookup.start, hit,
-                                                  lookup.pin))
-        if done is None or not all(isinstance(d, messages.Done) and d.ok for d in done):
-            client.ask_all(release)
-            return 0, 0
-    return hit, replies[0].from_l2
+                                             lookup.pin))
+        if done is None or any(not isinstance(d, messages.Done) for d in done):
+            raise RanksDown
+        if not all(d.ok for d in done):
+            client.tell_all(release)
+            return 0, 0, None
+        fresh = [d.fresh_s if r.pinned != hit else r.fresh_s for r, d in zip(replies, done)]
+    limits = [f for f in fresh if f is not None]
+    return hit, replies[0].from_l2, min(limits) if limits else None
 
 
 class RankLookups:
@@ -60,9 +69,9 @@ class RankLookups:
     def paused(self) -> bool:
         return time.monotonic() < self._down_until
 
-    def lookup(self, lookup: messages.Lookup) -> tuple[int | None, int]:
-        """`lookup_all_ranks`, or (0, 0) if a rank did not answer: the other ranks then
-        drop the lookup's pins, told without waiting (the rank that did not answer
+    def lookup(self, lookup: messages.Lookup) -> tuple[int | None, int, float | None]:
+        """`lookup_all_ranks`, or (0, 0, None) if a rank did not answer: the other ranks
+        then drop the lookup's pins, told without waiting (the rank that did not answer
         would hold the scheduler again)."""
         try:
             out = lookup_all_ranks(self.client, lookup)
@@ -78,6 +87,6 @@ class RankLookups:
                 logger.warning("gemma4-kv: a worker rank did not answer a lookup within "
                                "%.0f s: a miss", self.timeout_s)
             self.client.tell_all(messages.Release(lookup.req_id, lookup.pin))
-            return 0, 0
+            return 0, 0, None
         self._unanswered = 0
         return out

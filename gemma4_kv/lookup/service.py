@@ -12,6 +12,7 @@ the worker has loaded them (`take` / `done`) or the scheduler releases that pin.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -67,7 +68,8 @@ class LookupService:
             try:
                 if isinstance(msg, messages.Lookup):
                     return self.lookup(msg)
-                return messages.Done(self.repin(msg))
+                h = self.repin(msg)
+                return messages.Done(h is not None, self._fresh_s(h))
             except Exception:  # noqa: BLE001 - a store read that failed: this request misses
                 return self._missed(msg)
         if isinstance(msg, messages.Release):
@@ -122,7 +124,7 @@ class LookupService:
                 if h is not None:
                     self._count(msg, hit, h.from_l2, t0)
                     return messages.LookupReply(pinned=hit, candidates=candidates,
-                                                from_l2=h.from_l2)
+                                                from_l2=h.from_l2, fresh_s=self._fresh_s(h))
         finally:
             if pending is not None:
                 self.store.finish_prefetch(pending.prefetch)
@@ -148,15 +150,20 @@ class LookupService:
             return messages.LookupReply()
         return messages.Done(False)
 
-    def repin(self, msg: messages.Repin) -> bool:
+    def repin(self, msg: messages.Repin) -> Hit | None:
         """Pin exactly what a hit of `msg.hit` tokens reads (the scheduler's choice over
         all ranks), releasing what this rank pinned for its own longer answer. A hit
-        the chunks named cannot hold, or an empty one, is a miss (False), never a pin."""
+        the chunks named cannot hold, or an empty one, is a miss (None), never a pin."""
         self.release(msg.req_id, msg.pin)
         if not 0 <= msg.start < msg.hit <= len(msg.hashes) * self.chunk_size:
-            return False
-        return self._pin(msg.req_id, msg.pin, msg.hashes, msg.start, msg.hit,
-                         set()) is not None
+            return None
+        return self._pin(msg.req_id, msg.pin, msg.hashes, msg.start, msg.hit, set())
+
+    def _fresh_s(self, h: Hit | None) -> float | None:
+        """Seconds `h` may still be offered to a load (None: no limit)."""
+        if h is None or math.isinf(h.pinned.fresh_until):
+            return None
+        return h.pinned.fresh_until - self._clock()
 
     def advance(self) -> bool:
         """Between messages (lookup thread): move the store's prefetches on; whether any
