@@ -214,7 +214,7 @@ class _HostLock:
     """The host's hashing lock, held by this test as another engine would hold it."""
 
     def __init__(self, cache: Path):
-        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.fd = os.open(cache.parent / "weight-digests.lock", os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(self.fd, fcntl.LOCK_EX)
 
@@ -224,11 +224,48 @@ class _HostLock:
             self.fd = None
 
 
+class _Lines:
+    """A child's stream, read on a thread of its own: the test waits for a line up to a
+    deadline, never on a read that returns only when the child writes or ends."""
+
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        self.closed = False
+        self._new = threading.Condition()
+        self._reader = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream):
+        for line in stream:
+            with self._new:
+                self.lines.append(line)
+                self._new.notify_all()
+        with self._new:
+            self.closed = True
+            self._new.notify_all()
+
+    def wait_for(self, text: str, timeout: float) -> bool:
+        """True once a line holds `text`; False when the stream ends or time is up."""
+        def seen():
+            return any(text in line for line in self.lines)
+
+        with self._new:
+            self._new.wait_for(lambda: self.closed or seen(), timeout)
+            return seen()
+
+    def text(self, timeout: float) -> str:
+        self._reader.join(timeout)
+        with self._new:
+            return "".join(self.lines)
+
+
 HASHER = """
 import logging, sys
 from types import SimpleNamespace
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+from gemma4_kv.keys import weights
 from gemma4_kv.keys.weights import weights_signature
+weights.LOCK_WAIT_S = 300  # waiting for the test's lock is the point here, not its bound
 m = SimpleNamespace(model=sys.argv[1], model_weights="", revision=None,
                     architectures=["Gemma4ForCausalLM"], model_impl="auto", convert_type="none")
 # sharded_state: every *.safetensors, chosen without importing vLLM (a quick start)
@@ -246,17 +283,23 @@ def test_engines_of_one_host_hash_once(tmp_path, digest_cache):
     env = {**os.environ, "GEMMA4_KV_CACHE_DIR": str(digest_cache.parent),
            "PYTHONPATH": str(ROOT)}
     lock = _HostLock(digest_cache)
-    procs = []
+    procs, errs = [], []
     try:
         for _ in range(2):
             procs.append(subprocess.Popen([sys.executable, "-c", HASHER, str(d)], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           text=True))
-        for p in procs:  # each says it waits (or ends without having waited)
-            assert any("waiting for another process" in line for line in p.stderr)
+            errs.append(_Lines(procs[-1].stderr))
+        for err in errs:  # each says it waits (or ends without having waited)
+            assert err.wait_for("waiting for another process", timeout=300), err.text(0)
     finally:
         lock.release()
-    outs = [p.communicate(timeout=300) for p in procs]
+        for p in procs:
+            try:
+                p.wait(timeout=300)
+            finally:
+                p.kill()
+    outs = [(p.stdout.read(), err.text(60)) for p, err in zip(procs, errs)]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert [out.split() for out, _ in outs] == [[want], [want]]
     hashed = ["gemma4-kv: hashing 2 weight file(s)" in err for _, err in outs]
