@@ -8,6 +8,7 @@ one holds the host's lock.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -598,3 +599,23 @@ def test_no_relative_cache_path(tmp_path, monkeypatch, weights_warnings, env):
     assert _sig(f.parent) == _by_hand(f)  # again: still nothing made under the cwd
     assert os.listdir(cwd) == []
     assert weights_warnings and all("GEMMA4_KV_CACHE_DIR" in w for w in weights_warnings)
+
+
+def test_a_fifo_among_the_weight_files_does_not_stall_the_digest(tmp_path):
+    """A named pipe matched by `*.safetensors`: opening it would wait for a writer
+    forever; the digest names it and the fix instead."""
+    d = _checkpoint(tmp_path / "ckpt", 15.0)
+    os.mkfifo(d / "model-2.safetensors")
+    out = []
+    call = threading.Thread(target=lambda: out.append(weights.WeightsDigest(
+        _model(d), SimpleNamespace(load_format="safetensors", download_dir=None)).result()),
+        daemon=True)
+    call.start()
+    call.join(120)  # a guard for the unfixed code only: its open never returns
+    try:
+        assert not call.is_alive()
+    finally:
+        with contextlib.suppress(OSError):  # a writer lets a stalled open go
+            os.close(os.open(d / "model-2.safetensors", os.O_WRONLY | os.O_NONBLOCK))
+    [(sig, unsafe)] = out
+    assert sig is None and str(d / "model-2.safetensors") in unsafe and "weights_id" in unsafe

@@ -313,10 +313,14 @@ def _hash_all(todo: list[str], stamps: dict, where: str | None) -> dict[str, lis
 
 def _hash_one(real: str, stamp: list[int]) -> list:
     """[stamp, sha256]: read again while the file's stamp moves under the read (a
-    `touch`, `chmod`, new hard link or write), at most three times."""
+    `touch`, `chmod`, new hard link or write), at most three times. Opened without
+    blocking and read only if regular: a FIFO named like a shard would stall forever."""
     for _ in range(3):
         try:
-            with open(real, "rb") as fh:
+            fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            with open(fd, "rb") as fh:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise WeightsError(f"weight file {real} is not a regular file; {FIX}")
                 digest = hashlib.file_digest(fh, "sha256").hexdigest()
         except OSError as e:
             raise WeightsError(f"cannot read weight file {real} ({e.strerror}); "
