@@ -8,6 +8,7 @@ one holds the host's lock.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -214,7 +215,7 @@ class _HostLock:
     """The host's hashing lock, held by this test as another engine would hold it."""
 
     def __init__(self, cache: Path):
-        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.fd = os.open(cache.parent / "weight-digests.lock", os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(self.fd, fcntl.LOCK_EX)
 
@@ -224,11 +225,48 @@ class _HostLock:
             self.fd = None
 
 
+class _Lines:
+    """A child's stream, read on a thread of its own: the test waits for a line up to a
+    deadline, never on a read that returns only when the child writes or ends."""
+
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        self.closed = False
+        self._new = threading.Condition()
+        self._reader = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream):
+        for line in stream:
+            with self._new:
+                self.lines.append(line)
+                self._new.notify_all()
+        with self._new:
+            self.closed = True
+            self._new.notify_all()
+
+    def wait_for(self, text: str, timeout: float) -> bool:
+        """True once a line holds `text`; False when the stream ends or time is up."""
+        def seen():
+            return any(text in line for line in self.lines)
+
+        with self._new:
+            self._new.wait_for(lambda: self.closed or seen(), timeout)
+            return seen()
+
+    def text(self, timeout: float) -> str:
+        self._reader.join(timeout)
+        with self._new:
+            return "".join(self.lines)
+
+
 HASHER = """
 import logging, sys
 from types import SimpleNamespace
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+from gemma4_kv.keys import weights
 from gemma4_kv.keys.weights import weights_signature
+weights.LOCK_WAIT_S = 300  # waiting for the test's lock is the point here, not its bound
 m = SimpleNamespace(model=sys.argv[1], model_weights="", revision=None,
                     architectures=["Gemma4ForCausalLM"], model_impl="auto", convert_type="none")
 # sharded_state: every *.safetensors, chosen without importing vLLM (a quick start)
@@ -246,17 +284,23 @@ def test_engines_of_one_host_hash_once(tmp_path, digest_cache):
     env = {**os.environ, "GEMMA4_KV_CACHE_DIR": str(digest_cache.parent),
            "PYTHONPATH": str(ROOT)}
     lock = _HostLock(digest_cache)
-    procs = []
+    procs, errs = [], []
     try:
         for _ in range(2):
             procs.append(subprocess.Popen([sys.executable, "-c", HASHER, str(d)], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           text=True))
-        for p in procs:  # each says it waits (or ends without having waited)
-            assert any("waiting for another process" in line for line in p.stderr)
+            errs.append(_Lines(procs[-1].stderr))
+        for err in errs:  # each says it waits (or ends without having waited)
+            assert err.wait_for("waiting for another process", timeout=300), err.text(0)
     finally:
         lock.release()
-    outs = [p.communicate(timeout=300) for p in procs]
+        for p in procs:
+            try:
+                p.wait(timeout=300)
+            finally:
+                p.kill()
+    outs = [(p.stdout.read(), err.text(60)) for p, err in zip(procs, errs)]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert [out.split() for out, _ in outs] == [[want], [want]]
     hashed = ["gemma4-kv: hashing 2 weight file(s)" in err for _, err in outs]
@@ -363,3 +407,215 @@ def test_a_load_format_without_known_files_is_uncacheable(tmp_path):
     sig, unsafe = weights.WeightsDigest(_model(d), SimpleNamespace(
         load_format="tensorizer", download_dir=None)).result()
     assert sig is None and "tensorizer" in unsafe and "weights_id" in unsafe
+
+
+# -- the cache and its lock: trusted only where they are ours ---------------------------
+#
+# The cache maps a file's stat stamp to its sha256: whoever can write it can make one
+# checkpoint's identity name another's KV, and whoever holds its lock can stall every
+# engine of the host. Another uid is simulated by chown (the tests run as root).
+
+OTHER_UID = 12345
+
+
+@pytest.fixture
+def weights_warnings():
+    """The warnings weights.py logs (vLLM's logger does not propagate to caplog's)."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                records.append(record.getMessage())
+
+    handler = Keep()
+    weights.logger.addHandler(handler)
+    yield records
+    weights.logger.removeHandler(handler)
+
+
+def _stamp_of(f: Path) -> list[int]:
+    """The cache's key of a file version: (device, inode, ctime, size) of its real path."""
+    st = os.stat(os.path.realpath(f))
+    return [st.st_dev, st.st_ino, st.st_ctime_ns, st.st_size]
+
+
+def _forged_cache(cache: Path, victim: Path, impostor: Path) -> Path:
+    """A cache file (ours, 0600, in a 0700 directory) whose entry for `victim` carries its
+    current stamp and `impostor`'s digest: what the review's other uid wrote."""
+    cache.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    entry = [_stamp_of(victim), hashlib.sha256(impostor.read_bytes()).hexdigest()]
+    cache.write_text(json.dumps({"version": 1,
+                                 "files": {os.path.realpath(victim): entry}}))
+    cache.chmod(0o600)
+    return cache
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path):
+    a = _checkpoint(tmp_path / "ckpt-a", 10.0) / "model.safetensors"
+    b = _checkpoint(tmp_path / "ckpt-b", 11.0) / "model.safetensors"
+    return a, b
+
+
+def test_a_cache_of_our_own_is_used(two_checkpoints, digest_cache):
+    """The control of the tests below: a forged entry in a cache that is ours IS read
+    (the cache is trusted there), so each test below shows a refusal, not a miss."""
+    a, b = two_checkpoints
+    _forged_cache(digest_cache, a, b)
+    assert _sig(a.parent) == _by_hand(b.parent / "model.safetensors")
+
+
+def _foreign_file(cache: Path, tmp_path: Path):
+    os.chown(cache, OTHER_UID, -1)
+
+
+def _group_writable_file(cache: Path, tmp_path: Path):
+    cache.chmod(0o620)
+
+
+def _world_writable_file(cache: Path, tmp_path: Path):
+    cache.chmod(0o602)
+
+
+def _foreign_dir(cache: Path, tmp_path: Path):
+    os.chown(cache.parent, OTHER_UID, -1)
+
+
+def _group_writable_dir(cache: Path, tmp_path: Path):
+    cache.parent.chmod(0o770)
+
+
+def _world_writable_dir(cache: Path, tmp_path: Path):
+    cache.parent.chmod(0o703)
+
+
+def _symlinked_file(cache: Path, tmp_path: Path):
+    elsewhere = tmp_path / "elsewhere.json"
+    cache.rename(elsewhere)
+    cache.symlink_to(elsewhere)
+
+
+def _symlinked_dir(cache: Path, tmp_path: Path):
+    real = tmp_path / "real-digests"
+    cache.parent.rename(real)
+    cache.parent.symlink_to(real)
+
+
+UNTRUSTED = {f.__name__.strip("_"): f for f in (
+    _foreign_file, _group_writable_file, _world_writable_file, _foreign_dir,
+    _group_writable_dir, _world_writable_dir, _symlinked_file, _symlinked_dir)}
+
+
+@pytest.mark.parametrize("how", sorted(UNTRUSTED))
+def test_a_cache_not_plainly_ours_is_ignored(tmp_path, two_checkpoints, digest_cache,
+                                             weights_warnings, how):
+    """Another uid's cache file or directory, one that others may write, or a symlink:
+    its entries are ignored, the file is hashed (the digest by hand), and a warning
+    names the path."""
+    a, b = two_checkpoints
+    UNTRUSTED[how](_forged_cache(digest_cache, a, b), tmp_path)
+    assert _sig(a.parent) == _by_hand(a)
+    assert any(str(digest_cache.parent) in w for w in weights_warnings), weights_warnings
+
+
+def test_a_symlinked_lock_is_refused(tmp_path, digest_cache, weights_warnings):
+    """The lock file a symlink: neither followed (its target is not created) nor taken;
+    the digest is computed all the same."""
+    f = _checkpoint(tmp_path / "ckpt", 12.0) / "model.safetensors"
+    digest_cache.parent.mkdir(mode=0o700, parents=True)
+    target = tmp_path / "not-to-be-created"
+    (digest_cache.parent / "weight-digests.lock").symlink_to(target)
+    assert _sig(f.parent) == _by_hand(f)
+    assert not target.exists() and not target.is_symlink()
+    assert any("weight-digests.lock" in w for w in weights_warnings), weights_warnings
+
+
+HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_lock_held_elsewhere_delays_start_a_bounded_time(tmp_path, digest_cache,
+                                                           weights_warnings, monkeypatch):
+    """Another process holds the host's lock and never lets go: the digest still comes
+    (computed here, the cache left to the lock's holder), with one warning naming the
+    lock, while that process still holds it."""
+    f = _checkpoint(tmp_path / "ckpt", 13.0) / "model.safetensors"
+    monkeypatch.setattr(weights, "LOCK_WAIT_S", 0.5, raising=False)
+    digest_cache.parent.mkdir(mode=0o700, parents=True)
+    lock = digest_cache.parent / "weight-digests.lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert _Lines(holder.stdout).wait_for("held", timeout=120)
+        out = []
+        call = threading.Thread(target=lambda: out.append(weights.WeightsDigest(
+            _model(f.parent), SimpleNamespace(load_format="safetensors",
+                                              download_dir=None)).result()), daemon=True)
+        call.start()
+        call.join(120)  # a guard for the unfixed code only: its call never returns
+        assert not call.is_alive() and holder.poll() is None
+    finally:
+        holder.kill()
+        holder.wait(60)
+    assert out == [(_by_hand(f), None)]
+    assert not digest_cache.exists()  # only the lock's holder writes the cache
+    assert [w for w in weights_warnings if str(lock) in w] == weights_warnings
+    assert len(weights_warnings) == 1, weights_warnings
+
+
+@pytest.mark.parametrize("env", [
+    {"HOME": None, "passwd": False},
+    {"HOME": "relative/home"},
+    {"HOME": None, "passwd": False, "XDG_CACHE_HOME": "relative/cache"},
+    {"GEMMA4_KV_CACHE_DIR": "relative/digests"},
+], ids=["no-home-no-passwd", "relative-home", "relative-xdg", "relative-cache-dir"])
+def test_no_relative_cache_path(tmp_path, monkeypatch, weights_warnings, env):
+    """No absolute home, XDG cache or cache directory: the digest is computed and
+    nothing is cached or created under the working directory (no `./~/.cache`)."""
+    import pwd
+
+    f = _checkpoint(tmp_path / "ckpt", 14.0) / "model.safetensors"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    for var in ("HOME", "XDG_CACHE_HOME", "GEMMA4_KV_CACHE_DIR"):
+        if env.get(var) is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, env[var])
+    if env.get("passwd") is False:
+        def no_entry(uid):
+            raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+        monkeypatch.setattr(pwd, "getpwuid", no_entry)
+        assert not os.path.isabs(os.path.expanduser("~"))
+    assert _sig(f.parent) == _by_hand(f)
+    assert _sig(f.parent) == _by_hand(f)  # again: still nothing made under the cwd
+    assert os.listdir(cwd) == []
+    assert weights_warnings and all("GEMMA4_KV_CACHE_DIR" in w for w in weights_warnings)
+
+
+def test_a_fifo_among_the_weight_files_does_not_stall_the_digest(tmp_path):
+    """A named pipe matched by `*.safetensors`: opening it would wait for a writer
+    forever; the digest names it and the fix instead."""
+    d = _checkpoint(tmp_path / "ckpt", 15.0)
+    os.mkfifo(d / "model-2.safetensors")
+    out = []
+    call = threading.Thread(target=lambda: out.append(weights.WeightsDigest(
+        _model(d), SimpleNamespace(load_format="safetensors", download_dir=None)).result()),
+        daemon=True)
+    call.start()
+    call.join(120)  # a guard for the unfixed code only: its open never returns
+    try:
+        assert not call.is_alive()
+    finally:
+        with contextlib.suppress(OSError):  # a writer lets a stalled open go
+            os.close(os.open(d / "model-2.safetensors", os.O_WRONLY | os.O_NONBLOCK))
+    [(sig, unsafe)] = out
+    assert sig is None and str(d / "model-2.safetensors") in unsafe and "weights_id" in unsafe
