@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +35,14 @@ L2_TASK_LIMIT_S = 30.0
 """A prefetch still unanswered this long after it started is given up (LMCache keeps a
 task's read locks for 300 s): lookups wait for L2 for a few seconds at most, so nothing
 waits on it any more, and what it holds is needed by saves and other hits."""
+MAX_HUNG = 64
+"""Given-up prefetches kept (polled until their tasks answer, to unlock what they lock
+then). At this many the tier counts as down (`tier_up`): no prefetch is asked until
+some answer, so a tier that stays stuck costs bounded memory and polling, and none is
+ever forgotten with its LMCache locks still to release."""
+HUNG_POLL_BATCH = 8
+"""Given-up prefetches whose tasks one `poll` asks LMCache about, in turn: a poll runs
+before every lookup, on the lookup thread, and a stuck tier should not slow it down."""
 
 
 @dataclass
@@ -86,7 +94,7 @@ class L2Prefetches:
         self._inflight: list = []  # prefetches not settled yet (lookup thread)
         self._maybe_untrusted: Counter = Counter()  # keys an unsettled prefetch may load
         self._bad: set = set()  # keys whose L2 copy failed verification
-        self._hung: list = []  # prefetches given up, their tasks still unanswered
+        self._hung: deque = deque()  # given up, tasks unanswered; polled in turn
         self._hung_keys: Counter = Counter()  # what those may still bring up from L2
         self._unverified: set = set()  # keys a given-up prefetch may bring up unverified
 
@@ -149,16 +157,22 @@ class L2Prefetches:
                 "untrusted": sum(self._maybe_untrusted.values()), "bad": len(self._bad),
                 "hung": len(self._hung), "unverified": len(self._unverified)}
 
+    def tier_up(self) -> bool:
+        """Whether to ask L2 at all: not while `MAX_HUNG` prefetches are given up
+        unanswered (the tier is stuck; lookups answer from L1 until some answer)."""
+        return len(self._hung) < MAX_HUNG
+
     # -- reads: L2 --------------------------------------------------------------------
     def start_prefetch(self, chain: Sequence[bytes], start: int, limit: int) -> Prefetch:
         """Ask the L2 tiers for the longest prefix of `chain` they can serve, without
         waiting: LMCache loads what it needs into L1 (each sliding group only its window
         before each chunk end). Room is made first for the hit asked for (it may evict
-        what a save of it could); without room nothing is asked."""
+        what a save of it could); without room, or while the tier is stuck (`tier_up`),
+        nothing is asked."""
         p = _Prefetch(time.monotonic(), chain=tuple(chain), start=start, limit=limit,
                       namespace=self._namespace())
         asked = hit_end(self._layout, self._chunk_size, chain, limit, HIGH)
-        if not self._make_room(asked):
+        if not self.tier_up() or not self._make_room(asked):
             p.finished = True
             return p
         self._submit(p, [([(gid, list(chain)) for gid in self._groups], "prefix")])
@@ -258,21 +272,22 @@ class L2Prefetches:
                        "later is verified before use", L2_TASK_LIMIT_S)
 
     def _poll_hung(self) -> None:
-        """Unlock what given-up prefetches locked, once their tasks answer at last."""
-        still = []
-        for p in self._hung:
+        """Unlock what given-up prefetches locked, once their tasks answer at last. Asks
+        about `HUNG_POLL_BATCH` of them per call, the longest unasked first (each is
+        asked within `MAX_HUNG / HUNG_POLL_BATCH` polls)."""
+        for _ in range(min(HUNG_POLL_BATCH, len(self._hung))):
+            p = self._hung.popleft()
             for i, (handle, _) in enumerate(p.tasks):
                 if p.results[i] is None:
                     p.results[i] = self._tier.prefetch_outcome(handle)
             if any(r is None for r in p.results):
-                still.append(p)
+                self._hung.append(p)
                 continue
             self._tier.unlock([keys[i] for (_, rows), result in zip(p.tasks, p.results)
                                for row, (_, _, keys) in enumerate(rows)
                                for i in result.hit[row]])
             self._hung_keys.subtract(p.hung_keys)
             self._hung_keys += Counter()  # drop zero counts
-        self._hung = still
 
     def _check_unverified(self, gid: int, keys: list, present: list[int]) -> None:
         """Verify the objects among `keys[present]` (in L1) that a given-up prefetch may
