@@ -345,4 +345,5 @@ class EmbeddedStore(ChunkStore):
         return self.tier.usage()
 
     def close(self) -> None:
+        self.l2.close()  # first: its verifiers read L1
         self.tier.close()
