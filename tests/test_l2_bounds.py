@@ -131,5 +131,5 @@ def test_an_l1_lookup_is_answered_while_a_prefetch_is_being_verified(tmp_path, m
         service.release("b", 0)
     finally:
         gate.set()
-        service.close() if hasattr(service, "close") else None
+        service.close()
         s.close()
