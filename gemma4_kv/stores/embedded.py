@@ -100,6 +100,10 @@ class EmbeddedStore(ChunkStore):
         """A slower tier where an L2 adapter (or the disk tier) is configured."""
         return self.config.capabilities
 
+    def slow_tier_up(self) -> bool:
+        """Not while L2 is stuck: too many prefetches given up unanswered (`tier_up`)."""
+        return self.capabilities.slow_tier and self.l2.tier_up()
+
     # -- keys -------------------------------------------------------------------------
     def key(self, chunk_hash: bytes, group_id: int, namespace: str | None = None):
         return self.tier.key(chunk_hash, namespace or self.namespace, self.kv_rank, group_id)
@@ -341,4 +345,5 @@ class EmbeddedStore(ChunkStore):
         return self.tier.usage()
 
     def close(self) -> None:
+        self.l2.close()  # first: its verifiers read L1
         self.tier.close()

@@ -2,32 +2,33 @@
 Redis/Valkey, ...) for, and how what comes up is verified before it may be offered.
 
 An L2 lookup is an LMCache prefetch (`start_prefetch` / `poll`), never waited for. What
-it loads is verified against its trailer as it lands (`integrity.py`); a bad object is
-dropped from every tier and never offered again by this process. Until a prefetch
-settles, the objects it may bring up are not offered at all (`_maybe_untrusted`), and
-those L1 held when it started stay read-locked, so they cannot be evicted and come up
-again unverified. A prefetch whose tasks have not answered within `L2_TASK_LIMIT_S` (a
+it loads is verified against its trailer as it lands (`integrity.py`), on the threads
+of a `verifier.Verifier`, never on the lookup thread; a bad object is dropped from every
+tier and never offered again by this process. Until a prefetch settles, the objects it
+may bring up are not offered at all (`_maybe_untrusted`), and those L1 held when it
+started stay read-locked, so they cannot be evicted and come up again unverified. A prefetch whose tasks have not answered within `L2_TASK_LIMIT_S` (a
 stuck NFS mount under `fs_native`, a tier that stopped answering) is given up: its locks
 go at once, and what it may still bring up is verified when first offered
-(`_unverified`). `L2Prefetches` owns that state; `embedded.EmbeddedStore` holds one and
-asks it what L1 may offer.
+(`_unverified`); past `MAX_HUNG` of those the tier counts as down. `L2Prefetches` owns
+that state (each prefetch's own in `l2_prefetch.py`); `embedded.EmbeddedStore` holds
+one and asks it what L1 may offer.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from ..layout.groups import AttentionKind, KVLayout
 from ..layout.plan import hit_chunks, window_chunks
 from ..layout import integrity
 from .base import HIGH, ChunkKey, Prefetch
+from .l2_prefetch import Check, L2Prefetch, Stage
 from .capacity import Capacity, EndSpec, hit_end
 from .lmcache import StorageLayer
+from .verifier import Entry, Verifier
 
 logger = logging.getLogger(__name__)
 
@@ -35,32 +36,14 @@ L2_TASK_LIMIT_S = 30.0
 """A prefetch still unanswered this long after it started is given up (LMCache keeps a
 task's read locks for 300 s): lookups wait for L2 for a few seconds at most, so nothing
 waits on it any more, and what it holds is needed by saves and other hits."""
-
-
-@dataclass
-class _Prefetch(Prefetch):
-    """LMCache prefetch tasks of one lookup, and what they hold until they settle."""
-
-    chain: tuple[bytes, ...] = ()
-    start: int = 0
-    limit: int = 0
-    tasks: list = field(default_factory=list)  # (handle, rows of (gid, hashes, keys))
-    results: list = field(default_factory=list)
-    held: list = field(default_factory=list)
-    """Its keys that were in L1 when it started, read-locked until it settles: they stay
-    offered meanwhile, and cannot be evicted and come up again from L2 unverified."""
-    untrusted: list = field(default_factory=list)
-    """The others: not offered until it settles (it may bring them up from L2)."""
-    rounds: int = 1
-    asked: set = field(default_factory=set)
-    """Objects targeted fetches of it asked for (those that did not come are not asked
-    again)."""
-    namespace: str = ""
-    hung_keys: list = field(default_factory=list)
-    """Once given up: every key its tasks may still bring up from L2 (`_give_up`)."""
-    owner: str = field(default_factory=lambda: f"prefetch-{uuid.uuid4().hex}")
-    """Holds what it brought up in `capacity` until `finish_prefetch`."""
-    done_with: bool = False
+MAX_HUNG = 64
+"""Given-up prefetches kept (polled until their tasks answer, to unlock what they lock
+then). At this many the tier counts as down (`tier_up`): no prefetch is asked until
+some answer, so a tier that stays stuck costs bounded memory and polling, and none is
+ever forgotten with its LMCache locks still to release."""
+HUNG_POLL_BATCH = 8
+"""Given-up prefetches whose tasks one `poll` asks LMCache about, in turn: a poll runs
+before every lookup, on the lookup thread, and a stuck tier should not slow it down."""
 
 
 class L2Prefetches:
@@ -68,7 +51,8 @@ class L2Prefetches:
     and the keys of L1 they leave untrusted, bad or unverified. It is handed L1 (`tier`),
     the store's account (`capacity`), the objects' layouts and sizes per group, and how
     the store names (`key`, `namespace`) and deletes (`delete`) objects; the store asks
-    it what L1 may offer (`resident`, `withheld`) and tells it what left L1."""
+    it what L1 may offer (`resident`, `withheld`) and tells it what left L1. Objects a
+    prefetch brought up are verified by its `Verifier`, off the lookup thread."""
 
     def __init__(self, tier: StorageLayer, capacity: Capacity, layout: KVLayout,
                  chunk_size: int, *, layouts: dict[int, object], sizes: dict[int, int],
@@ -86,9 +70,10 @@ class L2Prefetches:
         self._inflight: list = []  # prefetches not settled yet (lookup thread)
         self._maybe_untrusted: Counter = Counter()  # keys an unsettled prefetch may load
         self._bad: set = set()  # keys whose L2 copy failed verification
-        self._hung: list = []  # prefetches given up, their tasks still unanswered
+        self._hung: deque = deque()  # given up, tasks unanswered; polled in turn
         self._hung_keys: Counter = Counter()  # what those may still bring up from L2
         self._unverified: set = set()  # keys a given-up prefetch may bring up unverified
+        self._verifier = Verifier()
 
     # -- what L1 may offer ------------------------------------------------------------
     def resident(self, chain: Sequence[bytes]) -> dict[int, set[int]]:
@@ -149,17 +134,23 @@ class L2Prefetches:
                 "untrusted": sum(self._maybe_untrusted.values()), "bad": len(self._bad),
                 "hung": len(self._hung), "unverified": len(self._unverified)}
 
+    def tier_up(self) -> bool:
+        """Whether to ask L2 at all: not while `MAX_HUNG` prefetches are given up
+        unanswered (the tier is stuck; lookups answer from L1 until some answer)."""
+        return len(self._hung) < MAX_HUNG
+
     # -- reads: L2 --------------------------------------------------------------------
     def start_prefetch(self, chain: Sequence[bytes], start: int, limit: int) -> Prefetch:
         """Ask the L2 tiers for the longest prefix of `chain` they can serve, without
         waiting: LMCache loads what it needs into L1 (each sliding group only its window
         before each chunk end). Room is made first for the hit asked for (it may evict
-        what a save of it could); without room nothing is asked."""
-        p = _Prefetch(time.monotonic(), chain=tuple(chain), start=start, limit=limit,
+        what a save of it could); without room, or while the tier is stuck (`tier_up`),
+        nothing is asked."""
+        p = L2Prefetch(time.monotonic(), chain=tuple(chain), start=start, limit=limit,
                       namespace=self._namespace())
         asked = hit_end(self._layout, self._chunk_size, chain, limit, HIGH)
-        if not self._make_room(asked):
-            p.finished = True
+        if not self.tier_up() or not self._make_room(asked):
+            p.finished, p.stage = True, Stage.DONE
             return p
         self._submit(p, [([(gid, list(chain)) for gid in self._groups], "prefix")])
         return p
@@ -179,7 +170,7 @@ class L2Prefetches:
         return self._missing_bytes(hit_end(self._layout, self._chunk_size, chain, limit,
                                            HIGH))
 
-    def _submit(self, p: _Prefetch, tasks) -> None:
+    def _submit(self, p: L2Prefetch, tasks) -> None:
         planned = [(policy, [(gid, hs, [self._key(h, gid) for h in hs])
                              for gid, hs in rows])
                    for rows, policy in tasks]
@@ -209,17 +200,31 @@ class L2Prefetches:
         window chunk, and an object that failed leaves a shorter hit that needs other
         window chunks; up to two targeted fetches follow (`_next_fetch`)."""
         self._poll_hung()
-        still, now = [], time.monotonic()
+        now = time.monotonic()
         for p in self._inflight:
+            self._advance(p, now)
+        self._inflight = [p for p in self._inflight
+                          if p.stage in (Stage.FETCHING, Stage.VERIFYING)]
+
+    def _advance(self, p: L2Prefetch, now: float) -> None:
+        """Move one prefetch on as far as it goes without waiting: its tasks answered,
+        its objects handed to the verifier (once it has room), their verdicts taken, the
+        next round asked or the prefetch done. The one place its stage changes."""
+        if p.stage is Stage.FETCHING:
             for i, (handle, _) in enumerate(p.tasks):
                 if p.results[i] is None:
                     p.results[i] = self._tier.prefetch_outcome(handle)
             if any(r is None for r in p.results):
                 if now - p.started > L2_TASK_LIMIT_S:
                     self._give_up(p)
-                else:
-                    still.append(p)
-                continue
+                    p.stage = Stage.GIVEN_UP
+                return
+            if not self._verifier.has_room():
+                return  # asked again at the next poll
+            p.check, p.stage = self._start_check(p), Stage.VERIFYING
+        if p.stage is Stage.VERIFYING:
+            if not p.check.batch.done():
+                return
             self._settle(p)
             missing = self._next_fetch(p) if p.rounds < 3 else []
             if missing:
@@ -230,12 +235,12 @@ class L2Prefetches:
                     per_group.setdefault(gid, []).append(h)
                 p.tasks, p.results = [], []
                 self._submit(p, [([(gid, hs)], "full") for gid, hs in per_group.items()])
-                still.append(p)
+                p.stage = Stage.FETCHING
             else:
                 p.finished, p.finished_at = True, time.monotonic()
-        self._inflight = still
+                p.stage = Stage.DONE
 
-    def _give_up(self, p: _Prefetch) -> None:
+    def _give_up(self, p: L2Prefetch) -> None:
         """Stop waiting for a prefetch whose tasks do not answer: its read locks go, and
         everything its tasks may still bring up into L1 is verified before it is offered.
         That is every key it asked for, those L1 held when it started too: LMCache may
@@ -258,21 +263,22 @@ class L2Prefetches:
                        "later is verified before use", L2_TASK_LIMIT_S)
 
     def _poll_hung(self) -> None:
-        """Unlock what given-up prefetches locked, once their tasks answer at last."""
-        still = []
-        for p in self._hung:
+        """Unlock what given-up prefetches locked, once their tasks answer at last. Asks
+        about `HUNG_POLL_BATCH` of them per call, the longest unasked first (each is
+        asked within `MAX_HUNG / HUNG_POLL_BATCH` polls)."""
+        for _ in range(min(HUNG_POLL_BATCH, len(self._hung))):
+            p = self._hung.popleft()
             for i, (handle, _) in enumerate(p.tasks):
                 if p.results[i] is None:
                     p.results[i] = self._tier.prefetch_outcome(handle)
             if any(r is None for r in p.results):
-                still.append(p)
+                self._hung.append(p)
                 continue
             self._tier.unlock([keys[i] for (_, rows), result in zip(p.tasks, p.results)
                                for row, (_, _, keys) in enumerate(rows)
                                for i in result.hit[row]])
             self._hung_keys.subtract(p.hung_keys)
             self._hung_keys += Counter()  # drop zero counts
-        self._hung = still
 
     def _check_unverified(self, gid: int, keys: list, present: list[int]) -> None:
         """Verify the objects among `keys[present]` (in L1) that a given-up prefetch may
@@ -303,7 +309,7 @@ class L2Prefetches:
                        "(corrupt, truncated or foreign): dropped, recomputed instead",
                        len(bad))
 
-    def _next_fetch(self, p: _Prefetch) -> list[ChunkKey]:
+    def _next_fetch(self, p: L2Prefetch) -> list[ChunkKey]:
         """What L1 lacks of the longest hit (at most `p.limit`) still within reach: one
         whose full-attention chunks L1 holds (the prefix fetch brought every one L2 had)
         and none of whose objects is known bad or was asked for in vain. Nothing if that
@@ -322,28 +328,46 @@ class L2Prefetches:
             return keys
         return []
 
-    def _settle(self, p: _Prefetch) -> None:
-        locked, bad, strays, held, landed = [], [], {}, set(p.held), {}
+    def _start_check(self, p: L2Prefetch) -> Check:
+        """Hand what the prefetch's tasks brought up to the verifier: the hit's objects
+        loaded from L2 (locked by the tasks), and strays, objects it brought into L1 but
+        left out of the hit it reports (LMCache keeps them there unlocked, e.g. those
+        past a value that failed to load, which ends a prefix): locked here, so none is
+        deleted while it is read. All stay locked and withheld until `_settle`."""
+        locked, items, strays, held = [], [], {}, set(p.held)
         for (_, rows), result in zip(p.tasks, p.results):
             for row, (gid, hashes, keys) in enumerate(rows):
                 loaded = set(result.from_l2[row])
-                hit = result.hit[row]
-                for i in hit:
-                    key = keys[i]  # as submitted: the namespace may have changed since
-                    locked.append(key)
+                for i in result.hit[row]:
+                    locked.append(keys[i])  # as submitted: the namespace may have changed
                     if i in loaded:
-                        ok = self._verified(key, hashes[i], gid)
-                        if ok:
-                            p.loaded.add((hashes[i], gid))
-                            landed[(hashes[i], gid)] = self._bytes[gid]
-                        elif ok is False:
-                            bad.append(key)
-                hit = set(hit)
+                        items.append((keys[i], hashes[i], gid, False))
+                hit = set(result.hit[row])
                 strays.setdefault(gid, []).extend(
                     (keys[i], hashes[i]) for i in range(len(keys))
                     if i not in hit and keys[i] not in held)
-        more, stray_landed = self._verify_strays(strays)
-        bad += more
+        stray_keys = []
+        for gid, pairs in strays.items():
+            keys = [k for k, _ in pairs]
+            for i in self._tier.resident(gid, keys, self._layouts[gid], True):
+                stray_keys.append(keys[i])
+                items.append((keys[i], pairs[i][1], gid, True))
+        batch = self._verifier.submit([self._object(k, h, gid) for k, h, gid, _ in items])
+        return Check(locked, stray_keys, items, batch)
+
+    def _settle(self, p: L2Prefetch) -> None:
+        """Take the verdicts of a prefetch's objects (its check is done): the good ones
+        are kept and offered, the bad dropped everywhere; every lock it held goes."""
+        check, bad, landed, stray_landed = p.check, [], {}, {}
+        for (key, h, gid, stray), ok in zip(check.items, check.batch.result()):
+            if ok:
+                (stray_landed if stray else landed)[(h, gid)] = self._bytes[gid]
+                if not stray:
+                    p.loaded.add((h, gid))
+            elif ok is False:
+                bad.append(key)
+            else:  # not verified: verified again before it is ever offered
+                self._unverified.add(key)
         if p.namespace == self._namespace():
             # Tracked from now on: the hit's objects are held for the lookup's pin (if
             # it still waits), what no hit needs is deleted (strays at once).
@@ -351,37 +375,19 @@ class L2Prefetches:
             if not p.done_with:
                 self._capacity.hold(p.owner, landed)
         p.loaded_bytes += sum(landed.values())
-        self._tier.unlock(locked)
+        self._tier.unlock(check.locked + check.strays)
         self._tier.unlock(p.held)
         if bad:
             p.rejected += len(bad)
             self._drop_bad(bad)
         self._maybe_untrusted.subtract(p.untrusted)
         self._maybe_untrusted += Counter()  # drop zero counts
-        p.held, p.untrusted = [], []
+        p.held, p.untrusted, p.check = [], [], None
 
-    def _verify_strays(self, strays: dict[int, list]) -> tuple[list, dict]:
-        """Objects a prefetch brought into L1 but left out of the hit it reports: LMCache
-        keeps them there unlocked (e.g. those past a value that failed to load, which ends
-        a prefix). Verified like the hit: (bad keys, sizes of the good ones)."""
-        bad, good = [], {}
-        for gid, pairs in strays.items():
-            keys = [k for k, _ in pairs]
-            held = self._tier.resident(gid, keys, self._layouts[gid], True)  # locked:
-            try:                                            # not deleted while we read
-                for i in held:
-                    ok = self._verified(keys[i], pairs[i][1], gid)
-                    if ok:
-                        good[(pairs[i][1], gid)] = self._bytes[gid]
-                    elif ok is False:
-                        bad.append(keys[i])
-            finally:
-                self._tier.unlock([keys[i] for i in held])
-        return bad, good
-
-    def _verified(self, key, chunk_hash: bytes, gid: int) -> bool | None:
-        """Whether the object in L1 matches its trailer; None if reading it raised (it is
-        then verified again before it is ever offered: `_unverified`)."""
+    def _object(self, key, chunk_hash: bytes, gid: int) -> Entry:
+        """The object in L1 as the verifier takes it, (KV, trailer, key value); True if
+        nothing is verified, False if it is gone, None if reading it raised (it is then
+        verified again before it is ever offered: `_unverified`)."""
         if not self._verify:
             return True
         try:
@@ -391,12 +397,23 @@ class L2Prefetches:
                            "not offered until it verifies", e)
             self._unverified.add(key)
             return None
-        return obj is not None and integrity.verify(
-            obj.kv, obj.trailer, integrity.key64(key.model_name, chunk_hash, gid))
+        if obj is None:
+            return False
+        return obj.kv, obj.trailer, integrity.key64(key.model_name, chunk_hash, gid)
+
+    def _verified(self, key, chunk_hash: bytes, gid: int) -> bool | None:
+        """Whether the object in L1 matches its trailer, verified here, at once (see
+        `_object`)."""
+        obj = self._object(key, chunk_hash, gid)
+        return integrity.verify(*obj) if isinstance(obj, tuple) else obj
 
     def finish_prefetch(self, prefetch: Prefetch) -> None:
         """The lookup is done with this prefetch (it pinned its hit, or gave up): what it
         brought up and no hit holds goes."""
-        if isinstance(prefetch, _Prefetch):
+        if isinstance(prefetch, L2Prefetch):
             prefetch.done_with = True
             self._delete(self._capacity.finished(prefetch.owner))
+
+    def close(self) -> None:
+        """Stop verifying (after the verifications running end)."""
+        self._verifier.close()
