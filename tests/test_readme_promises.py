@@ -126,3 +126,48 @@ def test_the_disk_tier_evicts_the_oldest_chunks_at_disk_gb(tmp_path):
         assert kept == list(range(len(chain) - len(kept), len(chain))), kept  # the newest
     finally:
         s.close()
+
+
+# -- "KV per token (bf16, TP 1)" table and `gemma4-kv inspect` ---------------------------
+
+def _kv_per_token_by_hand(shape: dict) -> int:
+    """2 (K, V) x layers x KV heads x head dim x 2 bytes (bf16), summed over the layers
+    that own KV (KV-shared layers read another layer's and are counted once, there).
+    Gemma 4's pattern: every sixth layer (5, 11, ...) is full attention, with
+    `num_global_key_value_heads` (else `num_key_value_heads`) heads of `global_head_dim`;
+    the others slide with `num_key_value_heads` heads of `head_dim`."""
+    owners = shape["num_hidden_layers"] - shape.get("num_kv_shared_layers", 0)
+    full = sum(1 for i in range(owners) if i % 6 == 5)
+    sliding = owners - full
+    full_heads = shape.get("num_global_key_value_heads", shape["num_key_value_heads"])
+    return (2 * sliding * shape["num_key_value_heads"] * shape["head_dim"] * 2
+            + 2 * full * full_heads * shape["global_head_dim"] * 2)
+
+
+@pytest.mark.parametrize("row, name, total", [
+    ("31B", "gemma4-31b-like", 2 * 50 * 16 * 256 * 2 + 2 * 10 * 4 * 512 * 2),  # 901,120
+    ("12B", "gemma4-12b-like", 2 * 40 * 8 * 256 * 2 + 2 * 8 * 2 * 512 * 2),  # 360,448
+    ("E4B", "gemma4-e4b-like", 2 * 20 * 2 * 256 * 2 + 2 * 4 * 2 * 512 * 2),  # 57,344
+])
+def test_inspect_prints_the_kv_per_token_the_readme_table_shows(row, name, total, capsys):
+    """The README's table row (KB per token, groups) against the bundled shape's numbers
+    worked out by hand (above, and from its JSON) and against `gemma4-kv inspect`'s
+    output."""
+    import json
+    import re
+    from pathlib import Path
+
+    from gemma4_kv.tools.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    shape = json.loads((root / "gemma4_kv/model_shapes" / f"{name}.json").read_text())
+    assert _kv_per_token_by_hand(shape) == total
+    readme = (root / "README.md").read_text()
+    (kb, groups), = re.findall(rf"^\| {row}\b[^|]*\| (\d+) KB over (\d+) groups \|",
+                               readme, flags=re.M)
+    assert (int(kb), int(groups)) == (round(total / 1000), 6)
+    assert main(["inspect", name]) == 0
+    out = capsys.readouterr().out
+    (n, printed), = re.findall(r"^(\d+) groups; ([\d,]+) bytes of KV per token", out,
+                               flags=re.M)
+    assert (int(n), int(printed.replace(",", ""))) == (6, total)
