@@ -147,7 +147,9 @@ def soak(tmp: Path, requests: int, *, seed: int = 0, cpu_gb: float = 0.03,
     else:
         (out, calls, wall), (base, _, base_wall) = [run(*r) for r in runs]
     got, want = out["outputs"], base["outputs"]
-    differing = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+    if len(got) != len(want):  # zip() below would drop the prompts one side lacks
+        raise RuntimeError(f"{len(got)} outputs against {len(want)} recomputed")
+    differing = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
     tokens = sum(sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
                  for a, b in zip(got, want))
     snaps, base_snaps = series(steps, out, batches), series(base_steps, base, batches)

@@ -127,6 +127,43 @@ def test_a_failing_or_silent_rank_is_a_miss_and_the_client_recovers(rundir):
             late.close()
 
 
+def test_two_unanswered_lookups_pause_lookups_for_10_s_and_one_pauses_nothing(
+        rundir, monkeypatch):
+    """README: "A worker rank that does not answer within 2 s is that request's miss;
+    two in a row pause lookups for 10 s." The scheduler's own RankLookups with the
+    scheduler's constants, against a rank nobody serves; the pause is read on a clock
+    the test moves (the client's 2 s wait stays real)."""
+    from gemma4_kv.connector import scheduler
+    from gemma4_kv.connector.metrics import Gemma4KVStats
+    from gemma4_kv.lookup import ranks
+
+    # The README's numbers, by hand.
+    assert (scheduler.RANK_TIMEOUT_S, scheduler.RANKS_DOWN_AFTER,
+            scheduler.RANK_BACKOFF_S) == (2.0, 2, 10.0)
+    now = [1000.0]
+    monkeypatch.setattr(ranks, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    stats = Gemma4KVStats()
+    rl = ranks.RankLookups([socket_address("p", os.getpid(), 0)], stats,
+                           timeout_s=scheduler.RANK_TIMEOUT_S,
+                           down_after=scheduler.RANKS_DOWN_AFTER,
+                           backoff_s=scheduler.RANK_BACKOFF_S)
+    try:
+        assert rl.client.timeout_ms == 2000
+        assert rl.lookup(LOOKUP) == (0, 0)  # a miss
+        assert not rl.paused()  # one unanswered lookup pauses nothing
+        assert rl.client.waited_out == 1
+        assert rl.lookup(LOOKUP) == (0, 0)
+        assert rl.client.waited_out == 2
+        assert rl.paused()
+        now[0] += 9.99
+        assert rl.paused()
+        now[0] += 0.02
+        assert not rl.paused()
+        assert stats.data["lookups_unanswered"] == 2
+    finally:
+        rl.client.close()
+
+
 def test_telling_a_silent_rank_does_not_wait_and_it_is_handled_in_order(rundir):
     holding, busy, seen = threading.Event(), threading.Event(), []
 
@@ -242,6 +279,10 @@ def test_dropped_messages_are_all_counted_and_warned_of_once_per_interval(
         rundir, caplog, monkeypatch):
     from gemma4_kv.lookup import channel
 
+    # An interval no run outlasts (set before the server reads it): the five drops fall
+    # within it however slowly the peers start (the default 10 s made this depend on
+    # the machine's speed).
+    monkeypatch.setattr(channel, "WARN_EVERY_S", 1e9)
     server = LookupServer(socket_address("w", os.getpid(), 0),
                           lambda msg: messages.Done(ok=True))
     warned = lambda: [r.getMessage() for r in caplog.records  # noqa: E731

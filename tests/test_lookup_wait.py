@@ -142,9 +142,14 @@ def test_a_fetch_slower_than_recomputing_is_not_waited_for(tier):
     service.release("r", 0)
 
 
-def test_the_step_timer_reports_each_step_once_with_its_tokens():
+def test_the_step_timer_reports_each_step_once_with_its_tokens(monkeypatch):
+    from types import SimpleNamespace
+
+    from gemma4_kv.transfer import step_timer
     from gemma4_kv.transfer.step_timer import StepTimer
 
+    clock = iter([10.0, 10.25, 20.0, 20.5, 30.0, 30.5])  # start / stop of each step
+    monkeypatch.setattr(step_timer, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
     seen = []
     timer = StepTimer(False, lambda tokens, seconds: seen.append((tokens, seconds)))
     timer.stop(100)  # no step started: nothing to report
@@ -153,7 +158,7 @@ def test_the_step_timer_reports_each_step_once_with_its_tokens():
     timer.stop(300)  # the same step again: reported once
     timer.start()
     timer.stop(0)  # a step that computed nothing
-    assert [t for t, _ in seen] == [300] and seen[0][1] >= 0
+    assert seen == [(300, 0.25)]  # 10.25 - 10.0 on the clock above
     rates = Rates()
     rates.prefill(32, 1.0)  # too few tokens to say anything about prefill
     assert rates.prefill_s(1) is None

@@ -47,10 +47,19 @@ NONE = {0: set(), 1: set(), 2: set()}
 # Stated bounds (seconds) for a server that is gone; healthy calls take milliseconds.
 TIMEOUT = 1.0  # lmcache_server_timeout_s in these tests
 RECOVERY_BOUND = 30.0  # a restarted server is used again (heartbeat: 1 s while down)
+HANG_S = 60.0  # a wait for something that comes in milliseconds: only a hang fails it
 
 
 @pytest.fixture(scope="module")
 def server():
+    s = Server()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def own_server():
+    """A server of the test's own, for tests that leave it locked or kill it."""
     s = Server()
     yield s
     s.stop()
@@ -290,9 +299,7 @@ def test_requests_with_one_prefix_each_get_their_own_lookup(server):
         put(store, 11, 2)
         hashes = chunk_hashes(tokens_of(11, 2), CHUNK)
         a, b = store.start_prefetch(hashes, 0, 128), store.start_prefetch(hashes, 0, 128)
-        while not (a.finished and b.finished):
-            store.poll()
-            time.sleep(0.002)
+        assert _poll_until(lambda: (store.poll(), a.finished and b.finished)[1], HANG_S)
         assert server.locks()[0] == 6  # 2 chunks x 3 groups, each locked twice
         pins = [store.pin(hashes, 0, 128) for _ in range(2)]
         assert all(pins) and not store._ready
@@ -654,10 +661,11 @@ def test_a_save_after_a_hit_does_not_ask_for_what_the_hit_found(server):
         store.close()
 
 
-def test_zz_unfilled_reservations_are_never_committed_by_close(server):
+def test_unfilled_reservations_are_never_committed_by_close(own_server):
     """0.5.6 commits an instance's open reservations when it is unregistered; `close`
-    must not unregister while one is open. (Runs last: the reservation stays write-locked
-    on the module's server until its TTL.)"""
+    must not unregister while one is open. (On a server of its own: the reservation
+    stays write-locked until its TTL.)"""
+    server = own_server
     store = open_store(server.url)
     hashes = chunk_hashes(tokens_of(10, 1), CHUNK)
     assert store.reserve(ChunkWrite("zz", hashes, 0, [(0, 1, 2)])).objects
@@ -669,9 +677,9 @@ def test_zz_unfilled_reservations_are_never_committed_by_close(server):
         probe.close()
 
 
-def test_zzz_killed_server_fails_fast_and_a_restarted_one_is_used_again(server):
-    """(Runs last: it kills the module's server and starts another in its place.)"""
-    s, store = server, None
+def test_killed_server_fails_fast_and_a_restarted_one_is_used_again(own_server):
+    """(On a server of its own: it kills it and starts another in its place.)"""
+    s, store = own_server, None
     try:
         store = open_store(s.url, ping_interval_s=0.5)
         put(store, 8, 2)

@@ -29,6 +29,8 @@ HOST = "127.0.0.1"
 SERVERS = ("valkey-server", "redis-server")
 CLIENTS = {"valkey-server": "valkey-cli", "redis-server": "redis-cli"}
 _LIVE: weakref.WeakSet = weakref.WeakSet()
+ATTEMPTS = 5
+"""Starts on new ports after a port collision before giving up."""
 
 
 @atexit.register
@@ -81,13 +83,29 @@ class TierServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.args = tuple(args)  # more server options, e.g. ("--maxmemory", "4mb")
         self.proc: subprocess.Popen | None = None
+        self._port_known = port is not None  # a port the caller gave is never changed
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self, timeout: float = 10.0) -> TierServer:
-        """Start on `self.port` and return once it answers PING."""
+        """Start on `self.port` and return once it answers PING. A port `free_port`
+        chose that another process took before the server bound it: new port, again
+        (at most ATTEMPTS times), until a start succeeded once (clients know it then)."""
         if self.running:
             return self
-        log = open(self.workdir / "server.log", "ab")
+        for _ in range(ATTEMPTS):
+            if self._launch(timeout):
+                self._port_known = True
+                return self
+            if self._port_known:
+                break
+            self.port = free_port()
+        raise RuntimeError(f"{self.binary}: port {self.port} taken: {self.log()[-2000:]}")
+
+    def _launch(self, timeout: float) -> bool:
+        """Whether the server came up; False if its port was taken."""
+        log_path = self.workdir / "server.log"
+        start = log_path.stat().st_size if log_path.exists() else 0
+        log = open(log_path, "ab")
         self.proc = subprocess.Popen(
             [self.binary, "--bind", HOST, "--port", str(self.port), "--save", "",
              "--appendonly", "no", "--dir", str(self.workdir), "--daemonize", "no",
@@ -96,15 +114,29 @@ class TierServer:
         log.close()
         _LIVE.add(self)
         deadline = time.monotonic() + timeout
-        while not ping(self.port):
+        while not (self._ours_listening() and ping(self.port)):
             if self.proc.poll() is not None:
+                text = self.log()[start:]
+                if "ddress already in use" in text:
+                    self.proc = None
+                    return False
                 raise RuntimeError(f"{self.binary} exited with {self.proc.returncode}: "
-                                   f"{self.log()[-2000:]}")
+                                   f"{text[-2000:]}")
             if time.monotonic() > deadline:
                 self.kill()
                 raise TimeoutError(f"{self.binary} did not answer PING on {self.port}")
             time.sleep(0.02)
-        return self
+        return True
+
+    def _ours_listening(self) -> bool:
+        """This process listens on the port (PING alone may reach another server)."""
+        import psutil
+
+        try:
+            return any(c.laddr.port == self.port and c.status == psutil.CONN_LISTEN
+                       for c in psutil.Process(self.proc.pid).net_connections("tcp"))
+        except psutil.Error:
+            return False
 
     def stop(self, timeout: float = 10.0) -> None:
         """Graceful shutdown (SIGTERM); the keyspace is lost (no persistence)."""

@@ -51,7 +51,8 @@ class ConnectorSettings:
         "size (checked when the layout is known)", integer(1))
     cpu_gb: float = _key(
         4.0, "GiB of the embedded LMCache CPU tier for the whole engine (pinned when CUDA is "
-        "present), LRU eviction; each of N tensor-parallel ranks gets `cpu_gb` / N; "
+        "present); when full it keeps whole hits, ranked by how often they are asked "
+        "(W-TinyLFU, see \"Full tier\"); each of N tensor-parallel ranks gets `cpu_gb` / N; "
         "start-up fails if it does not fit in free memory", number(above=0), shown="4")
     disk_path: str | None = _key(
         None, "absolute path of a local-disk tier (LMCache `fs_native`) behind the CPU tier; "

@@ -1,7 +1,7 @@
 """Keys of stored chunks: a rolling prefix hash per chunk plus a layout fingerprint.
 
 The chunk hash covers every token up to the end of the chunk (and, in
-`request_keys`, everything else of the request the KV depends on), so a key names one
+`keys/request.py`, everything else of the request the KV depends on), so a key names one
 exact prefix. The fingerprint (`store_fingerprint`) covers everything a stored object's
 bytes depend on besides the request: the engine's configuration (`engine_identity`:
 model, dtype, quantization, KV cache dtype, config overrides, compilation and kernel
