@@ -44,7 +44,8 @@ def free_port() -> int:
 class Server:
     """One `lmcache server` process on free ports with its own L1 segment."""
 
-    def __init__(self, l1_gb: float = 0.25, log_dir: str = "/tmp"):
+    def __init__(self, l1_gb: float = 0.25, log_dir: str = "/tmp",
+                 l2_adapters: tuple[dict, ...] = ()):
         self.exe = lmcache_bin()
         if self.exe is None:
             skip_or_fail("the lmcache CLI is not installed")
@@ -52,6 +53,8 @@ class Server:
         self.shm = f"g4kvtest{uuid.uuid4().hex[:10]}"
         self.url = f"tcp://127.0.0.1:{self.port}"
         self.l1_gb, self.log_dir = l1_gb, log_dir
+        self.l2_adapters = tuple(json.dumps(a) for a in l2_adapters)
+        """`--l2-adapter` JSON specs (e.g. `TierServer.valkey_spec()`); none by default."""
         self._start()
 
     def _start(self) -> None:
@@ -59,7 +62,7 @@ class Server:
         self.log = open(Path(self.log_dir) / f"{self.shm}-{self.port}.log", "a+")
         argv = self.exe + server_argv("lmcache", port=self.port, shm_name=self.shm,
                                       l1_gb=self.l1_gb, http_port=self.http,
-                                      host="127.0.0.1")[1:]
+                                      host="127.0.0.1", l2_adapters=self.l2_adapters)[1:]
         self.proc = subprocess.Popen(argv, env=ENV, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + 120
