@@ -15,6 +15,10 @@ except ImportError:  # pragma: no cover
     _HAS_CUDA = False
 
 os.environ.setdefault("PYTHONHASHSEED", "0")
+# No engine of the run reads or writes this user's persisted lookup rates
+# (gemma4_kv/lookup/rate_file.py): an earlier run's, or another module's, measurements
+# would change how long a test's first lookup waits. tests/test_priors.py tests the file.
+os.environ.setdefault("GEMMA4_KV_RATES_FILE", "off")
 if not _HAS_CUDA:
     # Must be set before any @triton.jit function is defined.
     os.environ.setdefault("TRITON_INTERPRET", "1")

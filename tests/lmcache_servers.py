@@ -60,14 +60,16 @@ class Server:
     ports (at most ATTEMPTS times); one that answers is checked to be this process
     (it listens on both ports), never another server that holds the port."""
 
-    def __init__(self, l1_gb: float = 0.25, log_dir: str = "/tmp", **argv):
+    def __init__(self, l1_gb: float = 0.25, log_dir: str = "/tmp",
+                 l2_adapters: tuple[dict, ...] = (), **argv):
         self.exe = lmcache_bin()
         if self.exe is None:
             skip_or_fail("the lmcache CLI is not installed")
         self.shm = f"g4kvtest{uuid.uuid4().hex[:10]}"
         self.l1_gb, self.log_dir = l1_gb, log_dir
-        self.argv = argv
-        """More `server_argv` keywords (e.g. `read_ttl_s`)."""
+        self.argv = {"l2_adapters": tuple(json.dumps(a) for a in l2_adapters), **argv}
+        """More `server_argv` keywords: `--l2-adapter` JSON specs (e.g.
+        `TierServer.valkey_spec()`; none by default), `read_ttl_s`, ..."""
         self.port = None
         self._start()
 

@@ -164,3 +164,56 @@ def test_the_step_timer_reports_each_step_once_with_its_tokens(monkeypatch):
     assert rates.prefill_s(1) is None
     rates.prefill(300, 0.3)
     assert rates.prefill_s(1000) == pytest.approx(1.0)
+
+
+def with_priors(service, tier_bytes_per_s: float, tmp_path) -> None:
+    """A new engine's rates: prefill from a prior of 1 s per token (32 tokens: worth
+    32 s), the tier's throughput from a rates file an earlier engine wrote."""
+    from gemma4_kv.lookup.rate_file import RateFile
+
+    d = tmp_path / "rates"
+    d.mkdir(mode=0o700)
+    path = str(d / "rates.json")
+    earlier = Rates(None, RateFile(path), tier="disk", engine="fp")
+    earlier.fetched(int(tier_bytes_per_s), 1.0)
+    service.wait.rates = Rates(lambda start, tokens: 1.0 * tokens, RateFile(path),
+                               tier="disk", engine="fp")
+
+
+def test_a_new_engines_first_lookup_waits_while_bytes_arrive(tier, tmp_path):
+    """Priors only (1,024 B/s from the file: 20 s for the fetch; worth 32 s): budget
+    min(32, 2 x 20) = 32 s, past `timeout_s` (1 s). The store reports bytes (the test
+    stands in for it: `progress_bytes`): the lookup stays pending 1.8 s in, past the
+    timeout, while they arrive; 1 s after the last ones it is given up."""
+    service, store, clock, counts, chain, release = tier
+    with_priors(service, 1024, tmp_path)
+    assert service.wait.budget(CHUNK, FETCH_BYTES) == pytest.approx(32.0)
+    assert ask(service, chain).pending
+    prefetch = service._pending["r"].prefetch
+    prefetch.progress_bytes = 0
+    for progress in (4096, 8192):
+        clock.now += 0.9
+        prefetch.progress_bytes = progress
+        assert ask(service, chain).pending
+    clock.now += 0.9  # nothing new for 0.9 s: still waiting
+    assert ask(service, chain).pending
+    clock.now += 0.2  # nothing new for 1.1 s: stalled
+    reply = ask(service, chain)
+    assert not reply.pending and reply.pinned == CHUNK
+    assert counts.data["l2_waits_given_up"] == 1
+    service.release("r", 0)
+
+
+def test_a_stalled_tier_costs_the_timeout_whatever_the_priors_promise(tier, tmp_path):
+    """The same priors (budget 32 s), but a store that reports no progress and a tier
+    this engine has not seen finish a fetch: given up at `timeout_s`."""
+    service, store, clock, counts, chain, release = tier
+    with_priors(service, 1024, tmp_path)
+    assert ask(service, chain).pending
+    clock.now += 0.99
+    assert ask(service, chain).pending
+    clock.now += 0.02
+    reply = ask(service, chain)
+    assert not reply.pending and reply.pinned == CHUNK
+    assert counts.data["l2_waits_given_up"] == 1
+    service.release("r", 0)

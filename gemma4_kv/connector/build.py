@@ -5,6 +5,7 @@ rank's fingerprint, staging, kernel warm-up, the data movement and the lookup se
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,8 @@ from ..config.settings import ConnectorSettings, SettingsError
 from ..keys.engine import StoreFingerprint, store_fingerprint
 from ..layout.groups import KVLayout, from_vllm
 from ..lookup.service import LookupService
+from ..lookup.priors import device_flops, model_shape, prefill_prior
+from ..lookup.rate_file import RateFile, default_path
 from ..lookup.wait import Rates
 from ..stores.base import ChunkStore
 from ..stores.factory import StoreUnavailable, open_store
@@ -75,7 +78,7 @@ def build_worker(vllm_config, kv_cache_config, settings: ConnectorSettings,
     record = StatsFile(settings.stats_file, layout, rank)
     record.layout_event(fp.name)
     warm_up(transfer, layout, caches, settings.chunk_size, pool)
-    rates = Rates()
+    rates = worker_rates(vllm_config, layout, settings, fp.name, device)
     lookups = LookupService(store, layout, settings.chunk_size, settings.lookup_timeout_s,
                             stats, record, rates)
     return WorkerParts(
@@ -83,3 +86,20 @@ def build_worker(vllm_config, kv_cache_config, settings: ConnectorSettings,
         Loads(layout, caches, transfer, lookups, settings.chunk_size, stats, record, rank),
         Saves(store, layout, caches, transfer, pool, settings.chunk_size, stats, record),
         StepTimer(transfer.cuda, rates.prefill))
+
+
+def worker_rates(vllm_config, layout: KVLayout, settings: ConnectorSettings, engine: str,
+                 device) -> Rates:
+    """The lookup's rates with their priors: the FLOPs estimate on a GPU of known rate,
+    and what earlier engines of this fingerprint measured on this host for this tier
+    (the server's URL, or the embedded tiers' specs)."""
+    try:
+        shape = model_shape(vllm_config.model_config.hf_text_config, layout)
+        prior = prefill_prior(shape, device_flops(device))
+    except (AttributeError, TypeError, ValueError):  # a config without these fields
+        prior = None
+    tier = settings.lmcache_server or json.dumps(
+        {"disk_path": settings.disk_path, "l2_adapters": list(settings.l2_adapters)},
+        sort_keys=True, default=str)
+    path = default_path()
+    return Rates(prior, RateFile(path) if path else None, tier=tier, engine=engine)

@@ -21,7 +21,7 @@ from ..layout.groups import KVLayout
 from ..layout.plan import hit_chunks, servable_hits
 from ..stores.base import ChunkStore, Pinned, Prefetch
 from . import messages
-from .wait import Rates, WaitPolicy
+from .wait import Rates, Wait, WaitPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class Hit:
 @dataclass
 class _Pending:
     prefetch: Prefetch
-    deadline: float
+    wait: Wait
     asked: float
     """When the lookup first asked the slower tier (its time counts from there)."""
 
@@ -97,11 +97,11 @@ class LookupService:
             candidates = self._candidates(chain, msg.start, msg.limit, msg.spans)
             target = min(msg.limit, n * self.chunk_size)
             have = candidates[0] if candidates else msg.start
-            budget = self.wait.budget(target - have, self.store.fetch_bytes(
-                chain, msg.start, msg.limit)) if have < target else 0.0
-            if budget > 0:  # a slower tier may hold a longer hit worth waiting for
+            wait = self.wait.start(now, target - have, self.store.fetch_bytes(
+                chain, msg.start, msg.limit), have) if have < target else None
+            if wait is not None:  # a slower tier may hold a longer hit worth waiting for
                 prefetch = self.store.start_prefetch(chain, msg.start, msg.limit)
-                self._pending[msg.req_id] = _Pending(prefetch, now + budget, now)
+                self._pending[msg.req_id] = _Pending(prefetch, wait, now)
                 return messages.LookupReply(pending=True)
         loaded = set()
         if pending is not None:
@@ -110,7 +110,7 @@ class LookupService:
             if p.finished:
                 self.wait.fetched(p.loaded_bytes, (p.finished_at or p.started) - p.started)
                 loaded = p.loaded
-            elif now < pending.deadline:
+            elif self.wait.keep_waiting(pending.wait, now, p.progress_bytes):
                 self._pending[msg.req_id] = pending
                 return messages.LookupReply(pending=True)
             else:

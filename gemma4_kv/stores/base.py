@@ -96,6 +96,11 @@ class Prefetch:
     """Their size: with `finished_at - started`, the tier's throughput."""
     rejected: int = 0
     """Objects it found damaged and dropped."""
+    progress_bytes: int | None = None
+    """Bytes brought up so far, for stores that can tell while it runs (None: this store
+    cannot): `lookup.wait.WaitPolicy.keep_waiting` then waits for a slow tier as long as
+    bytes keep arriving and the hit stays worth it, and gives up on a stalled one after
+    `lookup_timeout_s`."""
 
 
 @dataclass
