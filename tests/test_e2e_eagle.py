@@ -180,14 +180,66 @@ def _runs(tmp_path, platform):
 
 
 CPU_TEST = "test_eagle3_draft_kv_is_stored_loaded_and_final[cpu]"
+SERVER_TEST = "test_eagle3_draft_on_an_lmcache_server_prompts_ending_on_a_chunk"
+
+
+def _server_run(tmp_path):
+    """One engine with the EAGLE3 draft on a real `lmcache server`: each prompt alone,
+    then again, then every one once more under its own cache salt (a recomputation in
+    the same engine: no hit)."""
+    from lmcache_servers import Server
+
+    cfg = tiny_gemma4_config(window=100)
+    model = save_config(cfg, tmp_path / "model")
+    draft = save_config(tiny_eagle3_config(cfg), tmp_path / "draft")
+    base = prompts()[0]
+    sent = [base[:768], base[:768], base, base]
+    server = Server(l1_gb=0.25, log_dir=str(tmp_path))
+    try:
+        spec = {"model": model, "connector": True, "max_tokens": MAX_TOKENS,
+                "engine": {**COMMON, **PLATFORMS["cpu"]["engine"]},
+                "steps": [{"prompts": [p]} for p in sent] +
+                         [{"prompts": [{"tokens": p, "salt": f"ref{i}"} for i, p in
+                                       enumerate(sent)]}],
+                "extra_config": {"lmcache_server": server.url,
+                                 "retention_interval": RETENTION},
+                "speculative_config": {"method": "eagle3", "model": draft,
+                                       "num_speculative_tokens": SPEC_TOKENS}}
+        out, _ = run_harness(tmp_path, "server", spec, env=PLATFORMS["cpu"]["env"])
+    finally:
+        server.stop()
+    return sent, out
 
 
 def engine_jobs(tmp_path_factory, selected):
-    """The CPU case's engines beside other modules' (tests/conftest.py `engine_pool`):
+    """The CPU cases' engines beside other modules' (tests/conftest.py `engine_pool`):
     nothing here depends on time."""
-    if CPU_TEST not in selected:
-        return []
-    return [("cpu", 160.0, lambda: _runs(tmp_path_factory.mktemp("eagle-cpu"), PLATFORMS["cpu"]))]
+    jobs = []
+    if CPU_TEST in selected:
+        jobs.append(("cpu", 160.0,
+                     lambda: _runs(tmp_path_factory.mktemp("eagle-cpu"), PLATFORMS["cpu"])))
+    if SERVER_TEST in selected:
+        jobs.append(("server", 70.0,
+                     lambda: _server_run(tmp_path_factory.mktemp("eagle-server"))))
+    return jobs
+
+
+def test_eagle3_draft_on_an_lmcache_server_prompts_ending_on_a_chunk(engine_pool):
+    """A prompt of 768 tokens (3 chunks) with a draft that owns KV: chunk c's key names
+    token (c + 1) * 256, so at its save only chunks 0-1 have keys while its retention
+    names ends at 512, 704 and 768. The server store raised IndexError on the window
+    chains of 704 and 768, in the save, and the engine died (issue 32, item 2).
+    Now the engine lives, stores what can be keyed, and every answer equals its
+    recomputation. Hits by hand (window 100, retention 512, hit multiple 64; as in
+    `test_eagle3_draft_kv_is_stored_loaded_and_final`): base[:768] again -> 512 (chunks
+    0-1 and the window before 512, chunk 1); base (1100 tokens, sharing those two
+    chunks) -> 512 at first, 1024 again (its end 1024 is chunk 3, keyed by token 1024
+    of the prompt); the salted recomputations -> 0. The hits are the negative
+    control's lever: a connector that loaded nothing would pass the token check."""
+    sent, out = engine_pool.result((__name__, "server"))
+    n = len(sent)
+    assert out["cached"] == [0, 512, 512, 1024] + [0] * n
+    assert out["outputs"][:n] == out["outputs"][n:], "greedy tokens differ from recomputation"
 
 
 @pytest.mark.parametrize("name", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
