@@ -63,6 +63,7 @@ def write_checkpoint(cfg, path: str | Path) -> str:
     import transformers
 
     Path(path).mkdir(parents=True, exist_ok=True)
+    transformers.utils.logging.disable_progress_bar()
     cfg.save_pretrained(path)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
@@ -160,6 +161,31 @@ class OpenAIServer:
         t = time.perf_counter()
         out = self.post(path, body)
         return out, time.perf_counter() - t
+
+    def stream(self, path: str, body: dict) -> dict:
+        """A streamed request (`"stream": true`, usage in the last event): {"text",
+        "usage", "ttft_s" (until the first event that carries text), "wall_s"}."""
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        req = urllib.request.Request(self.url(path), data=json.dumps(body).encode(),
+                                     method="POST",
+                                     headers={"Content-Type": "application/json"})
+        t = time.perf_counter()
+        text, usage, ttft = [], None, None
+        with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data:"):])
+                usage = event.get("usage") or usage
+                for choice in event.get("choices") or ():
+                    piece = choice.get("text") or (choice.get("delta") or {}).get("content")
+                    if piece:
+                        ttft = time.perf_counter() - t if ttft is None else ttft
+                        text.append(piece)
+        wall = time.perf_counter() - t
+        return {"text": "".join(text), "usage": usage or {}, "ttft_s": ttft or wall,
+                "wall_s": wall}
 
     def reset_prefix_cache(self) -> None:
         """vLLM's own prefix cache only (not the connector's): the next request's hit can
