@@ -136,3 +136,34 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except OSError:
         return None
+
+
+def test_the_readme_shows_the_command_it_runs():
+    """The README's long form (its details note) is what `--print-command` prints for
+    the README's short form, flag for flag."""
+    import shlex
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    note = readme[readme.index("<details><summary>The <code>lmcache server</code>"):]
+    start = note.index("```bash\n") + 8
+    block = note[start:note.index("\n```", start)]
+    shown = shlex.split(" ".join(l.rstrip("\\") for l in block.splitlines()
+                                 if not l.strip().startswith("[")))
+    printed = subprocess.run(
+        [sys.executable, "-m", "gemma4_kv.tools.cli", "server", "--print-command",
+         "--l1-size-gb", "64", "--port", "5555"], capture_output=True, text=True,
+        timeout=120, check=True).stdout
+    argv = shlex.split(printed)
+    assert "lmcache" in " ".join(argv[:argv.index("server")])
+    assert _flags(shown[shown.index("server"):]) == _flags(argv[argv.index("server"):])
+
+
+def _flags(argv: list[str]) -> dict:
+    """{flag: value or True} of a command line."""
+    out, i = {}, 1
+    while i < len(argv):
+        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out[argv[i]], i = argv[i + 1], i + 2
+        else:
+            out[argv[i]], i = True, i + 1
+    return out

@@ -69,8 +69,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def command(args, extra: list[str], lmcache: list[str]) -> list[str]:
+    l1 = int(args.l1_size_gb) if args.l1_size_gb == int(args.l1_size_gb) else args.l1_size_gb
     argv = server_argv("lmcache", port=args.port, shm_name=args.shm_name,
-                       l1_gb=args.l1_size_gb, http_port=args.http_port, host=args.host,
+                       l1_gb=l1, http_port=args.http_port, host=args.host,
                        l2_adapters=args.l2_adapter)
     return lmcache + argv[1:] + extra
 
