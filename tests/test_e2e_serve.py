@@ -18,6 +18,7 @@ start-up line names the tier, once per rank.
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -46,7 +47,7 @@ def expected_hit(prompt_tokens: int) -> int:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """Both servers' answers and counters (each server stopped before the tests run)."""
+    """Both servers' answers and counters (both stopped before the tests run)."""
     from gemma4_kv.tools.harness import tiny_gemma4_config
     from gemma4_kv.tools.served import (OpenAIServer, connector_args, server_env,
                                         write_checkpoint)
@@ -63,13 +64,16 @@ def served(tmp_path_factory):
                 *connector_args(role, {"cpu_gb": 0.25})]
         servers[role] = OpenAIServer(model, args, tmp / f"{role}.log", env=env,
                                      deadline_s=300, timeout_s=120)
-    try:
-        with ThreadPoolExecutor(len(servers)) as pool:  # start side by side
-            list(pool.map(lambda s: s.start(), servers.values()))
-        yield {role: _exercise(s, model) for role, s in servers.items()}
-    finally:
-        for s in servers.values():
-            s.stop()
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(len(servers)) as pool:  # side by side, each on its own core
+        try:
+            results = dict(zip(servers, pool.map(
+                lambda s: _exercise(s.start(), model), servers.values())))
+            print(f"both servers started and asked in {time.monotonic() - t0:.1f} s")
+        finally:
+            list(pool.map(lambda s: s.stop(), servers.values()))
+            print(f"... and stopped at {time.monotonic() - t0:.1f} s")
+    yield results
 
 
 def _exercise(server, model: str) -> dict:
