@@ -29,10 +29,20 @@ PASSED = ["--l1-write-ttl-seconds", "20", "--max-workers", "1"]
 
 
 class CliServer:
+    """`gemma4-kv server` on free ports (others, up to 3 times, if it could not bind)."""
+
     def __init__(self, tmp: Path):
+        for attempt in range(3):
+            try:
+                return self._start(tmp, attempt)
+            except _PortTaken:
+                continue
+        raise AssertionError("no free ports in 3 tries")
+
+    def _start(self, tmp: Path, attempt: int):
         self.port, self.http = free_port(), free_port()
         self.shm = f"g4kvcli{uuid.uuid4().hex[:10]}"
-        self.out_path = tmp / f"{self.shm}.out"
+        self.out_path = tmp / f"{self.shm}-{attempt}.out"
         self.out = open(self.out_path, "wb")
         tests = os.path.dirname(os.path.abspath(__file__))
         env = dict(ENV, PYTHONPATH=os.pathsep.join(
@@ -48,6 +58,9 @@ class CliServer:
                 text = self.text()
                 if "requires the full lmcache installation" in text:
                     skip_or_fail("`lmcache server` lacks its server dependencies")
+                if "address already in use" in text.lower() and attempt < 2:
+                    self.out.close()
+                    raise _PortTaken()
                 raise AssertionError(f"gemma4-kv server exited:\n{text[-3000:]}")
             if time.monotonic() > deadline:
                 self.kill()
@@ -77,6 +90,10 @@ class CliServer:
         self.proc.wait(timeout=10)
         self.out.close()
         Path(f"/dev/shm/lmcache_l1_pool_{self.shm}").unlink(missing_ok=True)
+
+
+class _PortTaken(Exception):
+    pass
 
 
 def gone(pid: int) -> bool:
