@@ -72,10 +72,12 @@ class CliServer:
     def text(self) -> str:
         return self.out_path.read_text(errors="replace")
 
-    def stop(self, sig) -> int:
+    def stop(self, sig) -> tuple[int, bool]:
+        """(exit status, whether the L1 segment is still in /dev/shm) after `sig`."""
         self.proc.send_signal(sig)
         try:
-            return self.proc.wait(timeout=STOP_S)
+            rc = self.proc.wait(timeout=STOP_S)
+            return rc, Path(f"/dev/shm/lmcache_l1_pool_{self.shm}").exists()
         finally:
             self.kill()
 
@@ -132,9 +134,9 @@ def test_the_printed_url_serves_a_store_and_sigterm_stops_it(tmp_path):
     except BaseException:
         s.kill()
         raise
-    assert s.stop(signal.SIGTERM) == 0
+    assert Path(f"/dev/shm/lmcache_l1_pool_{s.shm}").exists()
+    assert s.stop(signal.SIGTERM) == (0, False)  # stopped on request, its L1 removed
     assert gone(s.child)
-    assert not Path(f"/dev/shm/lmcache_l1_pool_{s.shm}").exists()
 
 
 def test_sigint_stops_the_server_and_leaves_no_orphan(tmp_path):
@@ -142,7 +144,7 @@ def test_sigint_stops_the_server_and_leaves_no_orphan(tmp_path):
     group = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == s.child]
     assert s.child in group
     t = time.monotonic()
-    assert s.stop(signal.SIGINT) == 0
+    assert s.stop(signal.SIGINT) == (0, False)
     print(f"stopped in {time.monotonic() - t:.1f} s")
     assert all(gone(pid) for pid in group)
     assert not any(_pgid(p.pid) == s.child and not gone(p.pid) for p in psutil.process_iter())

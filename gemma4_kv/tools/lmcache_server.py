@@ -108,7 +108,8 @@ def main(argv=None) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, stop)
-    url = f"tcp://{args.host}:{args.port}"
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host  # same host
+    url = f"tcp://{host}:{args.port}"
     try:
         while proc.poll() is None and not stopping and not _up(args.http_port):
             time.sleep(0.3)
