@@ -17,6 +17,7 @@ from ..lookup.sockets import engine_core_pid, socket_address
 from .build import build_worker
 from .metadata import Gemma4KVMetadata
 from .metrics import Gemma4KVStats
+from .startup import startup_line, startup_log
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +54,10 @@ class ConnectorWorker:
             self.lookups.handle if self.enabled else _nothing_cached,
             self.lookups.advance if self.enabled else None)
         world = self.vllm_config.parallel_config.tensor_parallel_size
-        logger.info("gemma4-kv: %d groups, fingerprint %s, store %s on rank %d",
-                    len(self.layout.groups), self.fingerprint,
-                    self.settings.lmcache_server or f"{self.settings.cpu_gb / world:.2f} GiB",
-                    self.rank)
+        startup_log.info("%s", startup_line(self.settings, self.layout, self.fingerprint,
+                                            self.rank, world,
+                                            self.vllm_config.kv_transfer_config.kv_role,
+                                            self.enabled))
 
     # -- each step --------------------------------------------------------------------
     def step_started(self) -> None:

@@ -1,4 +1,5 @@
-"""`gemma4-kv` command line: `inspect` a config's KV groups, run the `demo`."""
+"""`gemma4-kv` command line: `inspect` a config's KV groups, run the `demo`, start an
+`lmcache server` for the `lmcache_server` tier (`server`)."""
 
 from __future__ import annotations
 
@@ -80,11 +81,18 @@ def main(argv=None) -> int:
     d = sub.add_parser("demo", help="run a Gemma 4-shaped model in vLLM with the connector",
                        add_help=False)
     d.set_defaults(fn=None)
+    sub.add_parser("server", help="start an `lmcache server` the connector can use "
+                                  "(`lmcache_server`); `gemma4-kv server -h` for its flags",
+                   add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:
         from .demo import main as demo_main
 
         return demo_main(argv[1:])
+    if argv[:1] == ["server"]:
+        from .lmcache_server import main as server_main
+
+        return server_main(argv[1:])
     args = p.parse_args(argv)
     return args.fn(args)
 

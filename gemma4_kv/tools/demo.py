@@ -1,11 +1,13 @@
 """The demo: a Gemma 4-shaped model in vLLM with the connector, a long prompt twice.
 
-    gemma4-kv demo [--model CHECKPOINT_DIR] [--tokens 2048] [--shared]
+    gemma4-kv demo [--model CHECKPOINT_DIR] [--tokens 2048] [--shared | --serve]
 
 Without `--model` it builds a small random-weight Gemma 4 (5 sliding : 1 full layers,
 head dims 64 / 128, a window smaller than the prompt, KV-shared last layers). It uses
 the GPU and the Triton kernels when one is present, vLLM's CPU build otherwise.
-`--shared` runs two engines against one shared store instead (`demo_two_engines.py`).
+`--shared` runs two engines against one shared store instead (`demo_two_engines.py`);
+`--serve` runs vLLM's OpenAI server with the connector and sends the prompts over HTTP
+(`demo_serve.py`; without `--model`, the checkpoint gets random weights and a tokenizer).
 """
 
 from __future__ import annotations
@@ -47,13 +49,18 @@ class Spinner:
         self._t.join()
 
 
-def demo_model(path: Path, cuda: bool) -> str:
-    from .harness import save_config, tiny_gemma4_config
+def demo_model_config(cuda: bool):
+    from .harness import tiny_gemma4_config
 
     size = dict(hidden=512, head_dim=128, global_head_dim=256, kv_heads=2) if cuda else \
         dict(hidden=256, head_dim=64, global_head_dim=128, kv_heads=1)
-    cfg = tiny_gemma4_config(layers=18, kv_shared=6, window=256, vocab=4096, **size)
-    return save_config(cfg, path)
+    return tiny_gemma4_config(layers=18, kv_shared=6, window=256, vocab=4096, **size)
+
+
+def demo_model(path: Path, cuda: bool) -> str:
+    from .harness import save_config
+
+    return save_config(demo_model_config(cuda), path)
 
 
 def main(argv=None) -> int:
@@ -62,15 +69,25 @@ def main(argv=None) -> int:
     p.add_argument("--model", help="a Gemma 4 checkpoint directory (default: random weights)")
     p.add_argument("--tokens", type=int, default=2048, help="length of the long prompt")
     p.add_argument("--cpu-gb", type=float, default=1.0, help="size of the CPU store")
-    p.add_argument("--shared", action="store_true",
-                   help="two engines, one after the other, sharing one store")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--shared", action="store_true",
+                      help="two engines, one after the other, sharing one store")
+    mode.add_argument("--serve", action="store_true",
+                      help="vLLM's OpenAI server with the connector, requests over HTTP")
     args = p.parse_args(argv)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if not args.serve:  # the server logs at INFO to a file of its own
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("PYTHONHASHSEED", "0")
     import torch
 
     cuda = torch.cuda.is_available()
+    if args.serve:
+        from .demo_serve import run as serve
+
+        print(f"gemma4-kv demo --serve: vLLM's OpenAI server, "
+              f"{torch.cuda.get_device_name() if cuda else 'CPU'}")
+        return serve(args.model, args.tokens, args.cpu_gb, cuda, Spinner)
     work = Path(tempfile.mkdtemp(prefix="gemma4-kv-demo-"))
     model = args.model or demo_model(work / "model", cuda)
     stats = work / "stats.jsonl"
