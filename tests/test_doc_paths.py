@@ -37,6 +37,9 @@ NOT_PATHS = {
     "ttft.png": "a command's output argument",
     "f1.5/serving.json": "a file in a sweep's output folder, not committed",
     ".gpu-vllm/env.sh": "built by benchmarks/gpu/bundle.sh for the GPU machine, not committed",
+    # Words with a slash that are no paths (README).
+    "application/json": "a media type in a curl command",
+    "full/sliding": "the attention kinds the start-up line names",
 }
 
 UPSTREAM = ("vllm", "lmcache")
