@@ -134,6 +134,15 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request)
 
+    def update_connector_output(self, connector_output) -> None:
+        if self._scheduler.events is not None:
+            self._scheduler.events.add(connector_output.kv_cache_events)
+
+    def take_events(self):
+        """The tiers' stores and removals as vLLM KV events (`events.py`)."""
+        events = self._scheduler.events
+        return events.take() if events is not None else ()
+
     def reset_cache(self) -> bool | None:
         return self._scheduler.reset_cache() if self._scheduler is not None else None
 
@@ -170,6 +179,10 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
     @_timed("worker")
     def get_finished(self, finished_req_ids):
         return self._worker.get_finished()
+
+    def get_kv_connector_kv_cache_events(self):
+        """This rank's store reports since the last step (`events.py`)."""
+        return self._worker.take_events() if self._worker is not None else None
 
     def get_kv_connector_stats(self):
         """This half's counters since the last call (vLLM sums the scheduler's and every

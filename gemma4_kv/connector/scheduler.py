@@ -31,6 +31,7 @@ from ..lookup import messages
 from ..lookup.ranks import RankLookups
 from ..lookup.sockets import socket_address
 from ..transfer.jobs import FinishJob, LoadJob, SaveJob
+from .events import RouterEvents
 from .metadata import Gemma4KVMetadata
 from .metrics import Gemma4KVStats
 from .request_state import RequestState
@@ -84,6 +85,8 @@ class ConnectorScheduler:
         self._requests: dict[str, RequestState] = {}
         self._loads: list[LoadJob] = []
         self._finished: list[FinishJob] = []
+        self.events = RouterEvents.from_vllm(vllm_config, kv_cache_config, self.layout,
+                                             self.chunk_size)  # None: events off
 
     def _state(self, request) -> RequestState | None:
         """The request's keys (refreshed after a reset), or None if it is not cached."""
@@ -197,9 +200,11 @@ class ConnectorScheduler:
             # The live block table: out-of-window sliding blocks are the null block here,
             # and their old ids may already belong to another request.
             block_ids = tuple(list(b) for b in self.kv_cache_manager.get_block_ids(req_id))
-            meta.saves.append(SaveJob(st.write(req_id, done, self.layout,
-                                               self.settings.retention_interval,
-                                               self.ranks_hit_ends), block_ids))
+            write = st.write(req_id, done, self.layout, self.settings.retention_interval,
+                             self.ranks_hit_ends)
+            if self.events is not None:
+                self.events.record(write, st.request)
+            meta.saves.append(SaveJob(write, block_ids))
         return meta
 
     # -- end of a request, reset --------------------------------------------------------

@@ -15,6 +15,7 @@ from ..lookup import messages
 from ..lookup.channel import LookupServer
 from ..lookup.sockets import engine_core_pid, socket_address
 from .build import build_worker
+from .events import attach, take_reports
 from .metadata import Gemma4KVMetadata
 from .metrics import Gemma4KVStats
 from .startup import startup_line, startup_log
@@ -30,7 +31,7 @@ class ConnectorWorker:
         self.chunk_size = settings.chunk_size
         self.stats = Gemma4KVStats()
         self.store = self.server = self.lookups = self.loads = self.saves = None
-        self.steps = None
+        self.steps = self.events = None
         self.rank = 0
         self.enabled = True
         """False when this rank cannot key its KV safely: it stores and serves nothing."""
@@ -41,6 +42,7 @@ class ConnectorWorker:
         self.layout, self.rank, self.fingerprint = parts.layout, parts.rank, parts.fingerprint.name
         self.store, self.lookups, self.steps = parts.store, parts.lookups, parts.steps
         self.loads, self.saves = parts.loads, parts.saves
+        self.events = attach(self.vllm_config, self.store)  # None: KV events off
         if parts.fingerprint.unsafe:
             # The scheduler half sees the engine's configuration reasons and never asks
             # or saves; what only a worker sees (its weights, its layers' scales) it
@@ -83,6 +85,10 @@ class ConnectorWorker:
         self.loads.poll()
         self.saves.poll()
         return None, None
+
+    def take_events(self):
+        """The store's reports since the last step, for vLLM's KV events."""
+        return take_reports(self.events, self.rank)
 
     def shutdown(self) -> None:
         if self.store is None:

@@ -33,6 +33,7 @@ from .base import (HIGH, LOW, ChunkKey, ChunkStore, ChunkWrite, Pinned, Prefetch
 from .capacity import Capacity, EndSpec, hit_end
 from .config import StoreConfig
 from .embedded_l2 import L2Prefetches
+from .events import TIER_L1, TierEvents
 from .lmcache import StorageLayer
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,9 @@ class _Reservation(Reservation):
 
 
 class EmbeddedStore(ChunkStore):
+    events: TierEvents | None = None
+    """Where L1's stores and removals are reported, if anyone publishes them."""
+
     def __init__(self, layout: KVLayout, fingerprint: str, chunk_size: int,
                  config: StoreConfig = StoreConfig(), kv_rank: int = 0, stats=None):
         self.layout, self.fingerprint, self.chunk_size = layout, fingerprint, chunk_size
@@ -284,6 +288,8 @@ class EmbeddedStore(ChunkStore):
         self.tier.publish(keys)
         self.l2.stored(keys)  # a fresh copy replaces one that failed
         self.capacity.stored(reservation.objects)
+        if self.events is not None:
+            self.events.stored(TIER_L1, reservation.objects)
 
     def abort(self, reservation: Reservation) -> None:
         if not isinstance(reservation, _Reservation) or not reservation.keys:
@@ -326,6 +332,10 @@ class EmbeddedStore(ChunkStore):
             if left:
                 self.capacity.kept({(keys[i].chunk_hash, gid): self._bytes[gid]
                                     for i in left})
+            if self.events is not None:  # those a reader holds go later
+                kept = set(left)
+                self.events.removed(TIER_L1, [(k.chunk_hash, gid) for i, k in enumerate(keys)
+                                              if i not in kept])
         if self.stats is not None:
             self.stats.add("evicted_objects", len(cells))
 
@@ -338,6 +348,8 @@ class EmbeddedStore(ChunkStore):
         self.tier.clear()
         self.capacity.clear()
         self.l2.reset()  # keys of the old generation: never looked up again
+        if self.events is not None:
+            self.events.cleared(TIER_L1)
         return True
 
     def usage(self) -> tuple[int, int]:

@@ -45,6 +45,7 @@ from ...layout.plan import hit_chunks, needed_chunks
 from ...layout import integrity
 from ..base import ChunkKey, ChunkStore, ChunkWrite, Pinned, Prefetch, Reservation, StoreCapabilities
 from ..config import ServerConfig
+from ..events import TIER_SERVER, TierEvents
 from .connection import ServerConnection, ServerUnavailable, runs
 from .reads import ReadLocks, ServerLookup, ServerReads
 from .windows import assign, end_chunk, window_hashes, window_need
@@ -113,6 +114,10 @@ class _ServerReservation(Reservation):
 
 class ServerStore(ChunkStore):
     """Objects per (chunk, group) in a shared `lmcache server`; see the module doc."""
+
+    events: TierEvents | None = None
+    """Where commits are reported, if anyone publishes them (the server's evictions
+    happen inside it, unseen by this client)."""
 
     def __init__(self, layout: KVLayout, fingerprint: str, chunk_size: int, *, url: str,
                  timeout_s: float = 1.0, cuda: bool = False, stats=None,
@@ -574,12 +579,16 @@ class ServerStore(ChunkStore):
     def commit(self, reservation: Reservation) -> None:
         writes = getattr(reservation, "writes", [])
         reservation.writes = []
+        taken = bool(writes)
         for w in writes:
             try:
                 if not self.writes.commit(w):
+                    taken = False
                     logger.warning("gemma4-kv: %s did not take a commit", self.conn.url)
             except ServerUnavailable:
-                pass
+                taken = False
+        if taken and self.events is not None:  # reported only if every commit was taken
+            self.events.stored(TIER_SERVER, reservation.objects)
 
     def abort(self, reservation: Reservation) -> None:
         """Give up the reservation (its objects expire unseen on the server)."""
@@ -597,6 +606,8 @@ class ServerStore(ChunkStore):
         engine. The server's L1 is shared and stays; other engines keep their names."""
         self.namespace = f"{self.fingerprint}-g{uuid.uuid4().hex[:12]}"
         self._drop_ready()
+        if self.events is not None:
+            self.events.cleared(TIER_SERVER)
         try:
             self.conn.rename(self.namespace)
         except ServerUnavailable:
