@@ -189,7 +189,7 @@ def _server_run(tmp_path):
     the same engine: no hit)."""
     from lmcache_servers import Server
 
-    cfg = tiny_gemma4_config(window=100)
+    cfg = tiny_gemma4_config(window=512)  # a window that reaches back past a chunk
     model = save_config(cfg, tmp_path / "model")
     draft = save_config(tiny_eagle3_config(cfg), tmp_path / "draft")
     base = prompts()[0]
@@ -227,15 +227,17 @@ def engine_jobs(tmp_path_factory, selected):
 def test_eagle3_draft_on_an_lmcache_server_prompts_ending_on_a_chunk(engine_pool):
     """A prompt of 768 tokens (3 chunks) with a draft that owns KV: chunk c's key names
     token (c + 1) * 256, so at its save only chunks 0-1 have keys while its retention
-    names ends at 512, 704 and 768. The server store raised IndexError on the window
-    chains of 704 and 768, in the save, and the engine died (issue 32, item 2).
-    Now the engine lives, stores what can be keyed, and every answer equals its
-    recomputation. Hits by hand (window 100, retention 512, hit multiple 64; as in
-    `test_eagle3_draft_kv_is_stored_loaded_and_final`): base[:768] again -> 512 (chunks
-    0-1 and the window before 512, chunk 1); base (1100 tokens, sharing those two
-    chunks) -> 512 at first, 1024 again (its end 1024 is chunk 3, keyed by token 1024
-    of the prompt); the salted recomputations -> 0. The hits are the negative
-    control's lever: a connector that loaded nothing would pass the token check."""
+    names ends at 512, 704 and 768. With a 512-token window, chunks 0-1 belong to the
+    windows of 704 and 768, whose window chain is named by chunk 2's key: the server
+    store raised IndexError in the save and the engine died (issue 32, item 2; on
+    9aa1d62 this engine exits in its first save). Now the engine lives, keeps chunks
+    0-1 for the end 512, and every answer equals its recomputation. Hits by hand
+    (window 512, retention 512, hit multiple 64): base[:768] again -> 512 (the limit
+    is its 2 keyable chunks; full chunks 0-1 and the window before 512, chunks 0-1);
+    base (1100 tokens, 4 keyable chunks, sharing chunks 0-1) -> 512 at first, 1024
+    again (its end 1024: full chunks 0-3, the window [513, 1024) in chunks 2-3); the
+    salted recomputations -> 0. The hits are the negative control's lever: a
+    connector that loaded nothing would pass the token check alone."""
     sent, out = engine_pool.result((__name__, "server"))
     n = len(sent)
     assert out["cached"] == [0, 512, 512, 1024] + [0] * n
