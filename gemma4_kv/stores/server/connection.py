@@ -95,7 +95,9 @@ class Later:
 def server_argv(lmcache: str, *, port: int, shm_name: str, l1_gb: float, http_port: int,
                 host: str = "localhost", chunk_size: int = 8, write_ttl_s: int = 30,
                 read_ttl_s: int = 300, workers: int = 2,
-                l2_adapters: Sequence[str] = ()) -> list[str]:
+                l2_adapters: Sequence[str] = (), eviction_policy: str = "LRU",
+                eviction_watermark: float = 0.9,
+                eviction_ratio: float = 0.03) -> list[str]:
     """Command line of a server this client can use (the README shows the same).
 
     The write TTL must stay below the reap timeout (120 s): 0.5.6 commits a dead client's
@@ -103,15 +105,22 @@ def server_argv(lmcache: str, *, port: int, shm_name: str, l1_gb: float, http_po
     unless they expired first. The read TTL is stated, not left to LMCache's default:
     clients trust a pin only within it (`lmcache_server_read_ttl_s`). `--l2-prefetch-policy
     retain` keeps objects brought up from L2 in L1 after their first read.
+    The server evicts (LRU) 3 % of its objects once a second while 90 % of its L1 is
+    used (LMCache's defaults: 20 % from 80 %): once it is full, engines stop saving what
+    is no more frequent than what it holds (`admission.py`), so the L1 stays about 87 to
+    90 % full rather than 64 to 80 %. The 10 % left is room for a save made between two
+    evictions (a prompt larger than that finds none: only part of it is stored).
     """
     argv = [lmcache, "server", "--supported-transfer-mode", "engine_driven",
             "--shm-name", shm_name, "--no-l1-use-lazy", "--l1-size-gb", str(l1_gb),
-            "--chunk-size", str(chunk_size), "--eviction-policy", "LRU",
+            "--chunk-size", str(chunk_size), "--eviction-policy", eviction_policy,
             "--host", host, "--port", str(port), "--http-port", str(http_port),
             "--l1-write-ttl-seconds", str(write_ttl_s),
             "--l1-read-ttl-seconds", str(read_ttl_s), "--max-workers", str(workers),
             "--l2-prefetch-policy", "retain", "--disable-observability",
             "--periodic-notifier-interval-ms", "1"]
+    argv += ["--eviction-trigger-watermark", str(eviction_watermark),
+             "--eviction-ratio", str(eviction_ratio)]
     for spec in l2_adapters:
         argv += ["--l2-adapter", spec]
     return argv

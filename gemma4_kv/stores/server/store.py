@@ -46,6 +46,7 @@ from ...layout import integrity
 from ..base import ChunkKey, ChunkStore, ChunkWrite, Pinned, Prefetch, Reservation, StoreCapabilities
 from ..config import ServerConfig
 from ..events import TIER_SERVER, TierEvents
+from .admission import Admission
 from .connection import ServerConnection, ServerUnavailable, runs
 from .reads import ReadLocks, ServerLookup, ServerReads
 from .windows import assign, end_chunk, window_hashes, window_need
@@ -152,6 +153,8 @@ class ServerStore(ChunkStore):
         self._held: dict[tuple[int, str, bytes, int], bool] = {}
         self._held_lock = threading.Lock()
         self._device_bytes = 0  # verified copies on the GPU (under _held_lock)
+        self.admission = Admission()
+        """Which saves may displace others once the server is full (`admission.py`)."""
 
     @property
     def capabilities(self) -> StoreCapabilities:
@@ -436,6 +439,8 @@ class ServerStore(ChunkStore):
             held = self._fetch_now(chain, start, hit, cells)
         if held is None:
             return None
+        self.admission.hit(req_id, (chain[end_chunk(hit, self.chunk_size)], hit),
+                           self.conn.epoch)
         return Pinned({ck: held.views[ck] for ck in cells}, [held],
                       fresh_until=held.fresh_until, held_until=held.held_until)
 
@@ -530,7 +535,8 @@ class ServerStore(ChunkStore):
         (`windows.assign`: chunks no end's window needs are not stored). Chunks the
         server holds already, or has no room for, get none; those a verified hit found
         there are not asked for (`_held`). The server's LRU evicts, so `write.low` is
-        empty here (`capabilities.ranks_hit_ends`)."""
+        empty here (`capabilities.ranks_hit_ends`); once it is full, a save towards an
+        end no more frequent than what it would displace gets none (`admission.py`)."""
         chain = write.chain
         cells = [(write.first + i, g) for i, gids in enumerate(write.groups) for g in gids]
         if not cells or not self.conn.healthy:
@@ -540,6 +546,10 @@ class ServerStore(ChunkStore):
         # a draft that owns KV the chain is one hash shorter than the prompt's chunks
         # (`RequestKeys.lookahead`), so the prompt's own end may not be keyable yet.
         ends = [t for t in write.ends if end_chunk(t, self.chunk_size) < len(chain)]
+        if ends and not self.admission.admit(
+                write.req_id, (chain[end_chunk(max(ends), self.chunk_size)], max(ends)),
+                self.conn.epoch):
+            return _ServerReservation({})
         windows = assign(self.layout, self.chunk_size, ends,
                          [(c, g) for c, g in cells if g in self._sliding])
         plans = []  # (server chain, {group: positions}, position -> chain chunk)
