@@ -32,6 +32,7 @@ from .base import (HIGH, LOW, ChunkKey, ChunkStore, ChunkWrite, Pinned, Prefetch
                    Reservation, StoreCapabilities)
 from .capacity import Capacity, EndSpec, hit_end
 from .config import StoreConfig
+from . import lmcache_codec
 from .embedded_l2 import L2Prefetches
 from .lmcache import StorageLayer
 
@@ -80,6 +81,8 @@ class EmbeddedStore(ChunkStore):
         self.layout, self.fingerprint, self.chunk_size = layout, fingerprint, chunk_size
         self.namespace = fingerprint
         self.kv_rank, self.config, self.stats = kv_rank, config, stats
+        if config.codec != "none":
+            lmcache_codec.register()
         self.tier = StorageLayer(config.cpu_bytes, config.adapter_specs())
         self._groups = [g.group_id for g in layout.groups]
         self._layouts, self._bytes = {}, {}

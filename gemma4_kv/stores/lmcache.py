@@ -131,6 +131,11 @@ def check_l2_adapter(spec: dict) -> None:
             "gemma4-kv's objects carry their checksum trailer as a second one: every "
             "store into this tier fails, so nothing is ever stored (and a lossy copy "
             "could not pass the checksum)", 'remove "serde"')
+    if serde_type == "gemma4_kv":
+        raise L2AdapterRejected(
+            f'(type "{type_name}") field "serde" (type "gemma4_kv") is set by l2_codec, '
+            "which also puts the codec in the key fingerprint", 'remove "serde" and set '
+            '"l2_codec" instead')
     where = _non_finite(spec)
     if where is not None:
         raise L2AdapterRejected(f'(type "{type_name}") holds a NaN or infinity at {where}',
@@ -233,6 +238,18 @@ def _valkey_for(resp: dict) -> str:
     auth = "".join(f', "{k}": ...' for k in ("username", "password") if resp.get(k))
     return (f'use valkey: {{"type": "valkey", "startup_nodes": "{node}", "request_timeout": '
             f'0.5, "connection_timeout": 1.0{auth}}} (the same Redis or Valkey server)')
+
+
+def register_serde(name: str, make) -> None:
+    """Register a serde with LMCache's factory, once per process: `make(kwargs)` gives
+    (serializer, deserializer), objects with the methods of LMCache's `Serializer` and
+    `Deserializer`; LMCache runs them on one worker thread per tier."""
+    from lmcache.v1.distributed.serde import (AsyncSerdeProcessor,
+                                              get_registered_serde_types,
+                                              register_serde_factory)
+
+    if name not in get_registered_serde_types():
+        register_serde_factory(name, lambda kw: AsyncSerdeProcessor(*make(kw)))
 
 
 # -- the storage layer ------------------------------------------------------------------
