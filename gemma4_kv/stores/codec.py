@@ -13,7 +13,8 @@ Frame (little-endian):
     4       1     format version (1)
     5       1     codec id (1: lossless)
     6       1     element width the bytes were shuffled by (2 for bf16, 4 for fp32)
-    7       1     0 (reserved)
+    7       1     payload kind: 0 zstd of the shuffled bytes, 1 the object's bytes as
+                  they are (when zstd would not make them smaller)
     8       8     raw length: bytes of the object
     16      8     payload length
     24      8     frame length
@@ -25,7 +26,8 @@ Lossless (codec 1): the raw bytes' first `width * (raw // width)` bytes are spli
 `width` byte planes (plane j holds byte j of every element: the high byte of a bf16,
 sign and exponent, repeats far more than the low one), the planes concatenated, the
 `raw % width` tail bytes appended, and the whole compressed by `zstandard` (one frame,
-its content size recorded). `decode` checks magic, version, lengths and the checksum
+its content size recorded); if that is not smaller than the object, the payload is the
+object's bytes as they are (kind 1), so a frame of 1.0 holds any object. `decode` checks magic, version, lengths and the checksum
 over what is stored before it decompresses anything: a damaged frame is `Damaged`.
 """
 
@@ -108,14 +110,17 @@ def encode_into(raw, out, width: int, level: int = DEFAULT_LEVEL) -> int:
     total = len(dst)
     payload = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(
         shuffle(src, width).tobytes())
+    kind = 0
+    if len(payload) >= src.size:
+        payload, kind = src.tobytes(), 1
     if HEADER + len(payload) > total:
         raise DoesNotFit(f"{src.size} bytes encode to {len(payload)}, the frame holds "
                          f"{total - HEADER}")
     end = HEADER + len(payload)
     dst[HEADER:end] = payload
     dst[end:total] = bytes(total - end)
-    _HEAD.pack_into(dst, 0, MAGIC, VERSION, LOSSLESS, width, 0, src.size, len(payload),
-                    total)
+    _HEAD.pack_into(dst, 0, MAGIC, VERSION, LOSSLESS, width, kind, src.size,
+                    len(payload), total)
     dst[_HEAD.size:HEADER] = _checksum(dst)
     return total
 
@@ -137,17 +142,21 @@ def decode_into(frame, out) -> None:
     dst = memoryview(out).cast("B")
     if len(src) < HEADER:
         raise Damaged(f"{len(src)} bytes: shorter than a frame header")
-    magic, version, codec, width, _, raw_len, payload_len, total = _HEAD.unpack_from(src)
+    magic, version, codec, width, kind, raw_len, payload_len, total = _HEAD.unpack_from(src)
     if magic != MAGIC or version != VERSION or codec != LOSSLESS:
         raise Damaged(f"not a frame of this codec (magic {magic!r}, version {version}, "
                       f"codec {codec})")
     if total != len(src) or HEADER + payload_len > total or raw_len != len(dst) \
-            or width not in (1, 2, 4, 8):
-        raise Damaged(f"lengths do not add up (frame {total} of {len(src)} stored, "
+            or width not in (1, 2, 4, 8) or kind not in (0, 1) \
+            or (kind == 1 and payload_len != raw_len):
+        raise Damaged(f"fields do not add up (frame {total} of {len(src)} stored, "
                       f"payload {payload_len}, object {raw_len} of {len(dst)} expected, "
-                      f"width {width})")
+                      f"width {width}, kind {kind})")
     if bytes(src[_HEAD.size:HEADER]) != _checksum(src):
         raise Damaged("checksum mismatch: the stored frame is damaged")
+    if kind == 1:
+        dst[:] = src[HEADER:HEADER + raw_len]
+        return
     try:
         planes = zstandard.ZstdDecompressor().decompress(
             src[HEADER:HEADER + payload_len], max_output_size=raw_len)
