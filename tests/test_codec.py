@@ -133,9 +133,10 @@ def test_the_codec_is_in_the_fingerprint():
     cfg = StoreConfig(l2_adapters=({"type": "mock", "max_size_gb": 1},), codec="lossless")
     assert cfg.codec_identity() == codec.identity("lossless", 0.9) != ""
     assert StoreConfig(codec="lossless").codec_identity() == ""  # no L2 tier: no codec
-    assert all(s["serde"] == {"type": "gemma4_kv", "mode": "lossless", "frame": 0.9}
+    assert all(s["serde"] == {"type": "gemma4_kv", "mode": "lossless", "frame": 0.9,
+                              "object_bytes": 5000}
                for s in StoreConfig(disk_path="/x", l2_adapters=cfg.l2_adapters,
-                                    codec="lossless").adapter_specs())
+                                    codec="lossless").adapter_specs(5000))
 
 
 def test_settings(tmp_path):
@@ -176,6 +177,12 @@ def stored_and_evicted(store: EmbeddedStore, hashes) -> dict:
     return data
 
 
+def layout_tensors(store: EmbeddedStore):
+    """Per group, empty tensors of its object's layout in L1 (KV, trailer, padding)."""
+    return [[torch.empty(s, dtype=d) for s, d in zip(lay.shapes, lay.dtypes)]
+            for lay in store._layouts.values()]
+
+
 def files(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file())
 
@@ -187,6 +194,11 @@ def test_fs_native_round_trip_is_bit_exact_and_the_files_are_frames(tmp_path):
         data = stored_and_evicted(store, hashes)
         stored = files(tmp_path)
         assert stored and all(p.read_bytes()[:4] == b"G4KC" for p in stored)
+        # The groups' objects differ in size (8 KiB and 4 KiB of KV): every frame is
+        # the header plus the largest object's bytes (KV, trailer, padding) at frame 1.0.
+        largest = max(sum(t.numel() * t.element_size() for t in o)
+                      for o in layout_tensors(store))
+        assert {p.stat().st_size for p in stored} == {48 + largest}
         p = lookup(store, hashes)
         assert p.loaded == needed(hashes) and p.rejected == 0
         assert reads_back(store, hashes, data)

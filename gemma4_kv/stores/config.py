@@ -33,9 +33,11 @@ class StoreConfig:
     codec_frame: float = 0.9
     """Fraction of an object's size its stored frame takes (`codec.frame_size`)."""
 
-    def adapter_specs(self) -> list[dict]:
+    def adapter_specs(self, object_bytes: int = 0) -> list[dict]:
         """Every L2 tier: the disk tier first, then `l2_adapters`; each with the
-        codec's serde unless `codec` is "none"."""
+        codec's serde unless `codec` is "none", its frames sized for objects of
+        `object_bytes` (the store's largest: LMCache 0.5.6 sizes the buffers of a batch
+        of objects, which mixes groups, by its first object's layout)."""
         specs = [dict(s) for s in self.l2_adapters]
         if self.disk_path:
             disk = {"type": "fs_native", "base_path": self.disk_path, "num_workers": 4,
@@ -46,7 +48,7 @@ class StoreConfig:
         if self.codec != "none":
             for spec in specs:
                 spec["serde"] = {"type": CODEC_SERDE, "mode": self.codec,
-                                 "frame": self.codec_frame}
+                                 "frame": self.codec_frame, "object_bytes": object_bytes}
         return specs
 
     def codec_identity(self) -> str:

@@ -309,6 +309,18 @@ class StorageLayer:
     def layout(self, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype]):
         return self._api.MemoryLayoutDesc(shapes=list(shapes), dtypes=list(dtypes))
 
+    @staticmethod
+    def aligned_bytes(shapes, dtypes) -> int:
+        """`allocated_bytes` before a storage layer exists (LMCache's default alignment,
+        the one `__init__` uses)."""
+        from lmcache.v1.distributed import config as cfg
+
+        align = cfg.L1MemoryManagerConfig(size_in_bytes=1 << 20, use_lazy=False,
+                                          shm_name="").align_bytes
+        n = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
+                for s, d in zip(shapes, dtypes))
+        return -(-n // align) * align
+
     def allocated_bytes(self, shapes, dtypes) -> int:
         """Bytes L1 spends on one object of this layout (tensors plus alignment)."""
         n = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()

@@ -20,15 +20,23 @@ from .config import CODEC_SERDE
 
 
 def _layout_bytes(layout_desc) -> int:
+    return layout_bytes(layout_desc.shapes, layout_desc.dtypes)
+
+
+def layout_bytes(shapes, dtypes) -> int:
+    """Bytes of an object of this layout, as a serde reads it (no alignment)."""
     return sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
-               for s, d in zip(layout_desc.shapes, layout_desc.dtypes))
+               for s, d in zip(shapes, dtypes))
 
 
 class Encode:
-    """Object bytes -> a frame of `codec.frame_size` bytes (LMCache's `Serializer`)."""
+    """Object bytes -> a frame of `codec.frame_size` bytes (LMCache's `Serializer`).
+    Every frame of a store has one size, that of its largest object (`object_bytes`):
+    LMCache 0.5.6's store and load batches mix the groups' objects, whose sizes differ,
+    and size every buffer of a batch by its first object's layout."""
 
-    def __init__(self, frame: float, level: int):
-        self.frame, self.level = frame, level
+    def __init__(self, frame: float, level: int, object_bytes: int):
+        self.frame, self.level, self.object_bytes = frame, level, object_bytes
 
     def serialize(self, src, dst, key) -> int:
         width = src.get_dtypes()[0].itemsize  # the KV's element: bf16 2, fp32 4
@@ -36,7 +44,8 @@ class Encode:
 
     def estimate_serialized_size(self, layout_desc) -> int:
         # Exact, not an upper bound: the tiers load only values of this size.
-        return codec.frame_size(_layout_bytes(layout_desc), self.frame)
+        return codec.frame_size(max(self.object_bytes, _layout_bytes(layout_desc)),
+                                self.frame)
 
 
 class Decode:
@@ -52,7 +61,8 @@ def make(kwargs: dict) -> tuple[Encode, Decode]:
     if mode not in codec.MODES or isinstance(frame, bool) or \
             not isinstance(frame, (int, float)) or not 0 < frame <= 1:
         raise ValueError(f"{CODEC_SERDE} serde: bad mode {mode!r} or frame {frame!r}")
-    return Encode(float(frame), int(kwargs.get("level", codec.DEFAULT_LEVEL))), Decode()
+    return Encode(float(frame), int(kwargs.get("level", codec.DEFAULT_LEVEL)),
+                  int(kwargs.get("object_bytes", 0))), Decode()
 
 
 def register() -> None:
