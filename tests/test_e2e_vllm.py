@@ -57,6 +57,9 @@ def engine_jobs(tmp_path_factory, selected):
                              run_engine(tmp, name, model, engine=engine, **kw)))
     if "test_second_engine_reuses_kv_from_the_disk_tier" in selected:
         jobs.append(("disk", 80.0, lambda: _disk_runs(tmp_path_factory.mktemp("disk"))))
+    if "test_lossless_disk_tier_serves_identical_outputs" in selected:
+        jobs.append(("disk_lossless", 80.0,
+                     lambda: _disk_runs(tmp_path_factory.mktemp("disk_lossless"), LOSSLESS)))
     if "test_connector_with_mtp_assistant" in selected:
         tmp = tmp_path_factory.mktemp("mtp")
         for name, job in mtp_case_runs(tmp, engine=ENGINE).items():
@@ -64,15 +67,15 @@ def engine_jobs(tmp_path_factory, selected):
     return jobs
 
 
-def _disk_runs(tmp):
+def _disk_runs(tmp, codec: dict | None = None):
     cfg = tiny_gemma4_config(window=WINDOW)
     model = save_config(cfg, tmp / "model")
-    disk = {"disk_path": str(tmp / "disk")}
+    disk = {"disk_path": str(tmp / "disk"), **(codec or {})}
     producer, _ = run_engine(tmp, "producer", model, connector=True, engine=ENGINE,
                              extra=disk, role="kv_producer")
     consumer, events = run_engine(tmp, "consumer", model, connector=True, engine=ENGINE,
                                   extra=disk, role="kv_consumer", metrics=L2_WAITS)
-    return cfg, producer, consumer, events
+    return cfg, producer, consumer, events, sorted((tmp / "disk").rglob("*.data"))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -96,7 +99,11 @@ def test_second_engine_reuses_kv_from_the_disk_tier(engine_pool):
     """A kv_producer engine stores through LMCache's disk tier; a fresh kv_consumer
     engine (another process, empty CPU tier, started after the producer exited) serves
     its hits from there."""
-    cfg, producer, consumer, events = engine_pool.result((__name__, "disk"))
+    cfg, producer, consumer, events, _ = engine_pool.result((__name__, "disk"))
+    check_disk_hits(producer, consumer, events)
+
+
+def check_disk_hits(producer, consumer, events):
     assert producer["cached"] == [0] * len(prompts())
     # The producer stored each prompt's whole chunks and the windows before its own
     # limit, so each hits min(its whole chunks, (P - 1) // 64 * 64):
@@ -115,6 +122,27 @@ def test_second_engine_reuses_kv_from_the_disk_tier(engine_pool):
         assert got == want if not skipped else got <= want, why
     assert consumer["outputs"] == producer["outputs"]
     assert not [e for e in events if e["event"] == "save"]
+
+
+LOSSLESS = {"l2_codec": "lossless", "l2_codec_frame": 1.0}
+"""A frame of the object's size holds any object, so every object reaches the disk
+(float32 KV of random weights compresses little: the ratio is printed)."""
+
+
+def test_lossless_disk_tier_serves_identical_outputs(engine_pool):
+    """The disk case with `l2_codec: lossless`: every file on the disk is a frame
+    (magic G4KC: the codec was on the path; without it the files are the objects'
+    bytes), and the consumer's hits and greedy outputs are the producer's, as
+    without the codec."""
+    cfg, producer, consumer, events, files = engine_pool.result((__name__, "disk_lossless"))
+    assert files
+    heads = [f.read_bytes()[:48] for f in files]
+    assert all(h[:4] == b"G4KC" for h in heads)
+    raw = sum(int.from_bytes(h[8:16], "little") for h in heads)
+    payload = sum(int.from_bytes(h[16:24], "little") for h in heads)
+    print(f"\nlossless on this model's float32 KV: {len(files)} objects, {raw} bytes -> "
+          f"{payload} ({raw / payload:.3f}x), {sum(h[7] == 1 for h in heads)} stored as is")
+    check_disk_hits(producer, consumer, events)
 
 
 def test_connector_with_mtp_assistant(engine_pool):

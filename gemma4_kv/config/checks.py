@@ -93,6 +93,14 @@ def number(*, above: float | None = None, at_least: float | None = None) -> Call
     return check
 
 
+def fraction(v):
+    """A number in (0, 1]."""
+    v = number(above=0)(v)
+    if v > 1:
+        raise Bad("must be at most 1", "write a number in (0, 1], e.g. 0.9")
+    return float(v)
+
+
 def boolean(v):
     if isinstance(v, bool):
         return v

@@ -19,12 +19,15 @@ from dataclasses import dataclass, field, fields
 
 from ..stores.config import ServerConfig, StoreConfig
 from .checks import (Bad, SettingsError, adapters, boolean, choice, disk_path, error, integer,
-                     json_text, number, redacted, server_url, show, stats_file, text)
+                     fraction, json_text, number, redacted, server_url, show, stats_file,
+                     text)
 
 GiB = 1 << 30
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+CODECS = ("none", "lossless")
 
-SERVER_EXCLUSIVE = ("cpu_gb", "disk_path", "disk_gb", "l2_adapters")
+SERVER_EXCLUSIVE = ("cpu_gb", "disk_path", "disk_gb", "l2_adapters", "l2_codec",
+                    "l2_codec_frame")
 """Tiers of the embedded store: with `lmcache_server` the server's own tiers serve."""
 
 
@@ -67,6 +70,16 @@ class ConnectorSettings:
         "parser, network tiers by a connect at start-up; the `fp8` and `turboquant` `serde` "
         "are refused (they store nothing of ours)",
         adapters, shown="`[]`")
+    l2_codec: str = _key(
+        "none", "how objects are stored in every L2 tier (`disk_path`, `l2_adapters`): "
+        "`none` as they are; `lossless` byte-shuffled and zstd-compressed in a frame with "
+        "its own checksum, loads bit-identical (see \"What the codec changes\"); part of "
+        "the key fingerprint; needs an L2 tier", choice(CODECS))
+    l2_codec_frame: float = _key(
+        0.9, "fraction of an object's size its stored frame takes under `l2_codec` (LMCache "
+        "0.5.6's tiers load only values of one fixed size per object layout): an object "
+        "that does not compress into it is not stored in L2; in (0, 1], part of the key "
+        "fingerprint", fraction, shown="0.9")
     num_programs: int = _key(
         32, "SM budget (programs, 1-1024) of the kernel that loads straight from pinned "
         "memory, layer by layer beside the forward", integer(1, 1024))
@@ -163,6 +176,22 @@ class ConnectorSettings:
                              "(two tiers would evict each other's files)",
                              show(redacted(spec)), "remove this adapter or disk_path")
 
+        self._check_codec()
+
+    def _check_codec(self) -> None:
+        """`l2_codec` needs a tier to encode for, and a tier holds one serde: a spec
+        with its own `serde` cannot take the codec's."""
+        if self.l2_codec == "none":
+            return
+        if not self.disk_path and not self.l2_adapters:
+            raise error('["l2_codec"]', "encodes what L2 tiers store, and there is none",
+                         show(self.l2_codec), 'set disk_path or l2_adapters, or write "none"')
+        for i, spec in enumerate(self.l2_adapters):
+            if "serde" in spec:
+                raise error(f'["l2_adapters"][{i}]', 'has its own "serde", and l2_codec '
+                             "would be a second (LMCache runs one per tier)",
+                             show(redacted(spec)), 'remove "serde", or set l2_codec to "none"')
+
     @property
     def embedded_store(self) -> bool:
         """The store is LMCache's storage layer in this process (not `lmcache_server`)."""
@@ -179,7 +208,8 @@ class ConnectorSettings:
         return StoreConfig(cpu_bytes=int(self.cpu_gb * GiB) // ranks,
                            disk_path=self.disk_path, disk_gb=self.disk_gb / ranks,
                            l2_adapters=tuple(copy.deepcopy(self.l2_adapters)),
-                           verify_checksums=self.verify_checksums)
+                           verify_checksums=self.verify_checksums,
+                           codec=self.l2_codec, codec_frame=self.l2_codec_frame)
 
 
 def _check_server(values: dict, extra: Mapping) -> None:

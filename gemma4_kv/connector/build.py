@@ -19,6 +19,7 @@ from ..lookup.priors import device_flops, model_shape, prefill_prior
 from ..lookup.rate_file import RateFile, default_path
 from ..lookup.wait import Rates
 from ..stores.base import ChunkStore
+from ..stores.config import StoreConfig
 from ..stores.factory import StoreUnavailable, open_store
 from ..stores.lmcache import set_log_level
 from ..transfer.loads import Loads
@@ -61,12 +62,15 @@ def build_worker(vllm_config, kv_cache_config, settings: ConnectorSettings,
     caches = {g.group_id: [kv_caches[n] for n in g.layers] for g in layout.groups}
     device = next(iter(kv_caches.values())).device
     rank = get_tensor_model_parallel_rank()
+    config = settings.store_config(ranks=world)
     fp = store_fingerprint(vllm_config, layout, kv_cache_layout=kv_cache_config.kv_cache_layout,
                            device=device, chunk_size=settings.chunk_size, tp_rank=rank,
                            tp_size=world, model_id=settings.model_id,
-                           weights_id=settings.weights_id)
+                           weights_id=settings.weights_id,
+                           codec=config.codec_identity()
+                           if isinstance(config, StoreConfig) else "")
     try:
-        store = open_store(settings.store_config(ranks=world), layout, fp.name,
+        store = open_store(config, layout, fp.name,
                            settings.chunk_size, kv_rank=rank, device=device, stats=stats)
     except StoreUnavailable as e:
         raise SettingsError(f'gemma4-kv: kv_connector_extra_config["lmcache_server"] '

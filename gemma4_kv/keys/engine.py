@@ -10,9 +10,9 @@ choices, the vLLM environment variables that change kernels), the weights' conte
 capability or CPU ISA, torch, CUDA and kernel library versions, torch's matmul
 precision), what each attention layer was given (`layer_identity`: the backend vLLM
 selected, KV scales), the page format, group geometry, chunk size, the object format
-and its version, tensor-parallel rank and size. It goes into LMCache's
-`ObjectKey.model_name`, so KV of another model, weights, numerics, layout or format
-version is a different key: it can only miss, never be loaded.
+and its version, the L2 tiers' codec (`l2_codec`), tensor-parallel rank and size. It
+goes into LMCache's `ObjectKey.model_name`, so KV of another model, weights, numerics,
+layout, format version or stored form is a different key: it can only miss, never be loaded.
 """
 
 from __future__ import annotations
@@ -35,12 +35,15 @@ OBJECT_FORMAT = "KV_2LTD"
 
 
 def fingerprint(layout: KVLayout, *, model: str, chunk_size: int, tp_rank: int = 0,
-                tp_size: int = 1, engine: str = "", layers: str = "") -> str:
+                tp_size: int = 1, engine: str = "", layers: str = "",
+                codec: str = "") -> str:
     """Name of everything a stored object depends on besides its request: `engine` is
     the digest of the engine, weights and runtime, `layers` the digest of
-    `layer_identity` (both "" before)."""
+    `layer_identity` (both "" before), `codec` the L2 tiers' stored form
+    (`StoreConfig.codec_identity`; "" for none, which leaves the name as it was)."""
     desc = repr((FORMAT_VERSION, OBJECT_FORMAT, model, chunk_size, tp_rank, tp_size,
-                 layout.geometry()) + ((engine, layers) if engine or layers else ()))
+                 layout.geometry()) + ((engine, layers) if engine or layers else ())
+                + ((("codec", codec),) if codec else ()))
     digest = hashlib.sha256(desc.encode()).hexdigest()[:24]
     return f"gemma4kv-v{FORMAT_VERSION}-tp{tp_rank}of{tp_size}-{digest}"
 
@@ -56,7 +59,7 @@ class StoreFingerprint:
 def store_fingerprint(vllm_config, layout: KVLayout, *, kv_cache_layout: str, device,
                       chunk_size: int, tp_rank: int, tp_size: int,
                       model_id: str | None = None, weights_id: str | None = None,
-                      runtime: dict | None = None) -> StoreFingerprint:
+                      runtime: dict | None = None, codec: str = "") -> StoreFingerprint:
     """The worker's fingerprint, once its KV caches exist (register_kv_caches): waits for
     the weights' digest (`weights.take`) unless `weights_id` names them. `runtime`
     defaults to `runtime_identity(device)`."""
@@ -74,7 +77,7 @@ def store_fingerprint(vllm_config, layout: KVLayout, *, kv_cache_layout: str, de
     name = fingerprint(layout, model=f"{model}|{kv_cache_layout}-{device.type}",
                        chunk_size=chunk_size, tp_rank=tp_rank, tp_size=tp_size,
                        engine=hashlib.sha256(combined.encode()).hexdigest()[:32],
-                       layers=layers)
+                       layers=layers, codec=codec)
     return StoreFingerprint(name, engine.unsafe or weights_unsafe or layers_unsafe)
 
 

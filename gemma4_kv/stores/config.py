@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 from .base import StoreCapabilities
 
+CODEC_SERDE = "gemma4_kv"
+"""The serde type `lmcache_codec` registers with LMCache (named here, where neither
+torch nor LMCache is imported)."""
+
 
 @dataclass(frozen=True)
 class StoreConfig:
@@ -24,17 +28,34 @@ class StoreConfig:
     """More LMCache L2 tiers, as `lmcache server --l2-adapter` JSON objects (checked by
     `lmcache.check_l2_adapter`)."""
     verify_checksums: bool = True
+    codec: str = "none"
+    """How objects are stored in every L2 tier (`codec.MODES`, or "none")."""
+    codec_frame: float = 0.9
+    """Fraction of an object's size its stored frame takes (`codec.frame_size`)."""
 
-    def adapter_specs(self) -> list[dict]:
-        """Every L2 tier: the disk tier first, then `l2_adapters`."""
-        specs = list(self.l2_adapters)
+    def adapter_specs(self, object_bytes: int = 0) -> list[dict]:
+        """Every L2 tier: the disk tier first, then `l2_adapters`; each with the
+        codec's serde unless `codec` is "none", its frames sized for objects of
+        `object_bytes` (the store's largest: LMCache 0.5.6 sizes the buffers of a batch
+        of objects, which mixes groups, by its first object's layout)."""
+        specs = [dict(s) for s in self.l2_adapters]
         if self.disk_path:
             disk = {"type": "fs_native", "base_path": self.disk_path, "num_workers": 4,
                     "max_capacity_gb": self.disk_gb}
             if self.disk_gb:
                 disk["eviction"] = {"eviction_policy": "LRU"}
             specs.insert(0, disk)
+        if self.codec != "none":
+            for spec in specs:
+                spec["serde"] = {"type": CODEC_SERDE, "mode": self.codec,
+                                 "frame": self.codec_frame, "object_bytes": object_bytes}
         return specs
+
+    def codec_identity(self) -> str:
+        """What the key fingerprint names of the codec ("" for none, or no L2 tier)."""
+        from .codec import identity
+
+        return identity(self.codec, self.codec_frame) if self.adapter_specs() else ""
 
     @property
     def capabilities(self) -> StoreCapabilities:

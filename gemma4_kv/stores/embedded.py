@@ -32,6 +32,7 @@ from .base import (HIGH, LOW, ChunkKey, ChunkStore, ChunkWrite, Pinned, Prefetch
                    Reservation, StoreCapabilities)
 from .capacity import Capacity, EndSpec, hit_end
 from .config import StoreConfig
+from . import lmcache_codec
 from .embedded_l2 import L2Prefetches
 from .events import TIER_L1, TierEvents
 from .lmcache import StorageLayer
@@ -84,11 +85,14 @@ class EmbeddedStore(ChunkStore):
         self.layout, self.fingerprint, self.chunk_size = layout, fingerprint, chunk_size
         self.namespace = fingerprint
         self.kv_rank, self.config, self.stats = kv_rank, config, stats
-        self.tier = StorageLayer(config.cpu_bytes, config.adapter_specs())
+        objects = object_layouts(layout, chunk_size, StorageLayer.aligned_bytes)
+        if config.codec != "none":
+            lmcache_codec.register()
+        largest = max(lmcache_codec.layout_bytes(*o) for o in objects.values())
+        self.tier = StorageLayer(config.cpu_bytes, config.adapter_specs(largest))
         self._groups = [g.group_id for g in layout.groups]
         self._layouts, self._bytes = {}, {}
-        for gid, (shapes, dtypes) in object_layouts(layout, chunk_size,
-                                                    self.tier.allocated_bytes).items():
+        for gid, (shapes, dtypes) in objects.items():
             self._layouts[gid] = self.tier.layout(shapes, dtypes)
             self._bytes[gid] = self.tier.allocated_bytes(shapes, dtypes)
         self._total = self.tier.usage()[1]

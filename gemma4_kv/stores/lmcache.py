@@ -131,6 +131,11 @@ def check_l2_adapter(spec: dict) -> None:
             "gemma4-kv's objects carry their checksum trailer as a second one: every "
             "store into this tier fails, so nothing is ever stored (and a lossy copy "
             "could not pass the checksum)", 'remove "serde"')
+    if serde_type == "gemma4_kv":
+        raise L2AdapterRejected(
+            f'(type "{type_name}") field "serde" (type "gemma4_kv") is set by l2_codec, '
+            "which also puts the codec in the key fingerprint", 'remove "serde" and set '
+            '"l2_codec" instead')
     where = _non_finite(spec)
     if where is not None:
         raise L2AdapterRejected(f'(type "{type_name}") holds a NaN or infinity at {where}',
@@ -235,6 +240,18 @@ def _valkey_for(resp: dict) -> str:
             f'0.5, "connection_timeout": 1.0{auth}}} (the same Redis or Valkey server)')
 
 
+def register_serde(name: str, make) -> None:
+    """Register a serde with LMCache's factory, once per process: `make(kwargs)` gives
+    (serializer, deserializer), objects with the methods of LMCache's `Serializer` and
+    `Deserializer`; LMCache runs them on one worker thread per tier."""
+    from lmcache.v1.distributed.serde import (AsyncSerdeProcessor,
+                                              get_registered_serde_types,
+                                              register_serde_factory)
+
+    if name not in get_registered_serde_types():
+        register_serde_factory(name, lambda kw: AsyncSerdeProcessor(*make(kw)))
+
+
 # -- the storage layer ------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -291,6 +308,18 @@ class StorageLayer:
 
     def layout(self, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype]):
         return self._api.MemoryLayoutDesc(shapes=list(shapes), dtypes=list(dtypes))
+
+    @staticmethod
+    def aligned_bytes(shapes, dtypes) -> int:
+        """`allocated_bytes` before a storage layer exists (LMCache's default alignment,
+        the one `__init__` uses)."""
+        from lmcache.v1.distributed import config as cfg
+
+        align = cfg.L1MemoryManagerConfig(size_in_bytes=1 << 20, use_lazy=False,
+                                          shm_name="").align_bytes
+        n = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
+                for s, d in zip(shapes, dtypes))
+        return -(-n // align) * align
 
     def allocated_bytes(self, shapes, dtypes) -> int:
         """Bytes L1 spends on one object of this layout (tensors plus alignment)."""

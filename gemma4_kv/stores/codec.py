@@ -1,0 +1,174 @@
+"""The stored form of an object in an L2 tier under `l2_codec` (no torch, no LMCache).
+
+An object (its KV and integrity trailer, as bytes) is stored as one frame of a size
+fixed by its layout (`frame_size`): LMCache 0.5.6's `fs_native` and `valkey` tiers load
+a value only into a buffer of exactly the size it expects (a shorter file is an
+"incomplete read", a shorter Valkey value a miss), so the frame cannot shrink with each
+object. An object whose encoding does not fit its frame is not stored (`DoesNotFit`).
+
+Frame (little-endian):
+
+    offset  size  field
+    0       4     magic b"G4KC"
+    4       1     format version (1)
+    5       1     codec id (1: lossless)
+    6       1     element width the bytes were shuffled by (2 for bf16, 4 for fp32)
+    7       1     payload kind: 0 zstd of the shuffled bytes, 1 the object's bytes as
+                  they are (when zstd would not make them smaller)
+    8       8     raw length: bytes of the object
+    16      8     payload length
+    24      8     frame length
+    32      16    BLAKE2b-128 of the frame's bytes except these 16 (header, payload
+                  and zero padding)
+    48      ...   payload, then zeros up to the frame length
+
+Lossless (codec 1): the raw bytes' first `width * (raw // width)` bytes are split into
+`width` byte planes (plane j holds byte j of every element: the high byte of a bf16,
+sign and exponent, repeats far more than the low one), the planes concatenated, the
+`raw % width` tail bytes appended, and the whole compressed by `zstandard` (one frame,
+its content size recorded); if that is not smaller than the object, the payload is the
+object's bytes as they are (kind 1), so a frame of 1.0 holds any object. `decode` checks magic, version, lengths and the checksum
+over what is stored before it decompresses anything: a damaged frame is `Damaged`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+
+import numpy as np
+
+MAGIC = b"G4KC"
+VERSION = 1
+LOSSLESS = 1
+MODES = {"lossless": LOSSLESS}
+"""Codec modes that encode (`none` stores the object as it is, with no frame)."""
+_HEAD = struct.Struct("<4sBBBBQQQ")
+HEADER = _HEAD.size + 16
+"""Bytes before the payload: the fields and the checksum."""
+DEFAULT_LEVEL = 3
+"""zstd level: its default; the level changes only how small a payload is, never how
+it decodes, so it is not part of the format."""
+
+
+class Damaged(ValueError):
+    """A stored frame that is not one this codec wrote intact (checked before decoding)."""
+
+
+class DoesNotFit(ValueError):
+    """An object whose encoding is larger than its frame: it is not stored."""
+
+
+def frame_size(raw_len: int, frame: float) -> int:
+    """Bytes of the stored frame of an object of `raw_len` bytes: the header plus
+    `frame` (a fraction in (0, 1]) of the object, rounded up."""
+    if not 0 < frame <= 1:
+        raise ValueError(f"frame must be in (0, 1], got {frame!r}")
+    return HEADER + math.ceil(raw_len * frame)
+
+
+def identity(mode: str, frame: float) -> str:
+    """What the key fingerprint names of a codec: its mode, format version and frame
+    size; "" for `none` (keys stay those of unencoded objects)."""
+    if mode == "none":
+        return ""
+    if mode not in MODES:
+        raise ValueError(f"unknown codec mode {mode!r}")
+    return f"{mode}-v{VERSION}-shuffle-zstd-frame{frame!r}"
+
+
+def shuffle(raw: np.ndarray, width: int) -> np.ndarray:
+    """The byte planes of `raw` (uint8) by element width, then its tail bytes."""
+    n = raw.size // width * width
+    planes = raw[:n].reshape(-1, width).T.reshape(-1)
+    return np.concatenate([planes, raw[n:]])
+
+
+def unshuffle(planes: np.ndarray, width: int) -> np.ndarray:
+    """Inverse of `shuffle` (into a fresh array)."""
+    n = planes.size // width * width
+    body = planes[:n].reshape(width, -1).T.reshape(-1)
+    return np.concatenate([body, planes[n:]])
+
+
+def _checksum(frame: memoryview) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(frame[:_HEAD.size])
+    h.update(frame[HEADER:])
+    return h.digest()
+
+
+def encode_into(raw, out, width: int, level: int = DEFAULT_LEVEL) -> int:
+    """Encode the object `raw` (a bytes-like) losslessly into the writable bytes-like
+    `out`, whose whole length is the frame; returns that length. Raises `DoesNotFit`
+    (nothing written past the header) if the payload does not fit."""
+    import zstandard
+
+    src = np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8)
+    dst = memoryview(out).cast("B")
+    total = len(dst)
+    payload = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(
+        shuffle(src, width).tobytes())
+    kind = 0
+    if len(payload) >= src.size:
+        payload, kind = src.tobytes(), 1
+    if HEADER + len(payload) > total:
+        raise DoesNotFit(f"{src.size} bytes encode to {len(payload)}, the frame holds "
+                         f"{total - HEADER}")
+    end = HEADER + len(payload)
+    dst[HEADER:end] = payload
+    dst[end:total] = bytes(total - end)
+    _HEAD.pack_into(dst, 0, MAGIC, VERSION, LOSSLESS, width, kind, src.size,
+                    len(payload), total)
+    dst[_HEAD.size:HEADER] = _checksum(dst)
+    return total
+
+
+def encode(raw, frame_len: int, width: int, level: int = DEFAULT_LEVEL) -> bytes:
+    """`encode_into` a new frame of `frame_len` bytes."""
+    out = bytearray(frame_len)
+    encode_into(raw, out, width, level)
+    return bytes(out)
+
+
+def decode_into(frame, out) -> None:
+    """Check the stored `frame` and decode it into the writable `out` (exactly the
+    object's length). Raises `Damaged` before decompressing anything if the frame is
+    not intact, or if it decodes to other than `len(out)` bytes."""
+    import zstandard
+
+    src = memoryview(frame).cast("B")
+    dst = memoryview(out).cast("B")
+    if len(src) < HEADER:
+        raise Damaged(f"{len(src)} bytes: shorter than a frame header")
+    magic, version, codec, width, kind, raw_len, payload_len, total = _HEAD.unpack_from(src)
+    if magic != MAGIC or version != VERSION or codec != LOSSLESS:
+        raise Damaged(f"not a frame of this codec (magic {magic!r}, version {version}, "
+                      f"codec {codec})")
+    if total != len(src) or HEADER + payload_len > total or raw_len != len(dst) \
+            or width not in (1, 2, 4, 8) or kind not in (0, 1) \
+            or (kind == 1 and payload_len != raw_len):
+        raise Damaged(f"fields do not add up (frame {total} of {len(src)} stored, "
+                      f"payload {payload_len}, object {raw_len} of {len(dst)} expected, "
+                      f"width {width}, kind {kind})")
+    if bytes(src[_HEAD.size:HEADER]) != _checksum(src):
+        raise Damaged("checksum mismatch: the stored frame is damaged")
+    if kind == 1:
+        dst[:] = src[HEADER:HEADER + raw_len]
+        return
+    try:
+        planes = zstandard.ZstdDecompressor().decompress(
+            src[HEADER:HEADER + payload_len], max_output_size=raw_len)
+    except zstandard.ZstdError as e:  # checksummed yet undecodable: written wrong
+        raise Damaged(f"payload does not decode ({e})") from None
+    if len(planes) != raw_len:
+        raise Damaged(f"payload decodes to {len(planes)} bytes, not {raw_len}")
+    dst[:] = unshuffle(np.frombuffer(planes, dtype=np.uint8), width).tobytes()
+
+
+def decode(frame, raw_len: int) -> bytes:
+    """`decode_into` a new object of `raw_len` bytes."""
+    out = bytearray(raw_len)
+    decode_into(frame, out)
+    return bytes(out)
