@@ -6,6 +6,7 @@ caches, each with its own KV tier or sharing one (issue 33, item 1).
         [--repeats K] [--docs 16] [--batch 4]
     python benchmarks/bench_replicas.py --smoke --out DIR [--systems alone,server]
     python benchmarks/bench_replicas.py --plot-only OUT.png DIR/replicas.json
+    python benchmarks/bench_replicas.py --merge DIR A/replicas.json B/replicas.json  # split runs
 
 Workload (the hand measurement of 2026-12-04 on the H200): `--docs` documents (16) split
 evenly over the replicas, `--batch` (4) requests in flight per replica (one
@@ -380,11 +381,13 @@ class Replica:
         self.log.flush()
         return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-15:])
 
-    def stop(self) -> None:
-        """SIGTERM to its process group, a few seconds, then SIGKILL to what is left."""
+    def stop(self, fast: bool = False) -> None:
+        """SIGTERM to its process group, a few seconds, then SIGKILL to what is left
+        (`fast`: SIGKILL at once)."""
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(5)
+            if not fast:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(5)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
         try:
@@ -393,6 +396,30 @@ class Replica:
             pass
         self.proc.wait()
         self.log.close()
+
+
+class Deferred:
+    """SIGTERM and SIGINT wait while a process is started and recorded: a `Stopped`
+    raised between its start and its entry in the list to stop would orphan it. (Not
+    `pthread_sigmask`: the signal may reach another thread of this process.)"""
+
+    depth = 0
+    pending: int | None = None
+
+    def __enter__(self):
+        Deferred.depth += 1
+
+    def __exit__(self, *exc):
+        Deferred.depth -= 1
+        if not Deferred.depth and Deferred.pending is not None and exc[0] is None:
+            raise Stopped(Deferred.pending)
+
+
+def on_signal(signum, frame):
+    if Deferred.depth:
+        Deferred.pending = signum
+    else:
+        raise Stopped(signum)
 
 
 def skip_reason(system: str) -> str | None:
@@ -426,6 +453,7 @@ def run_system(args, shape: str, sizes: dict, system: str, repeat: int, logs: Pa
     from tier_servers import TierServer
 
     res = dict(shape=shape, system=system, repeat=repeat)
+    stopped = False
     work = Path(tempfile.mkdtemp(prefix=f"replicas-{system.replace('+', '-')}-"))
     servers, replicas = [], []
     n = args.replicas
@@ -434,15 +462,19 @@ def run_system(args, shape: str, sizes: dict, system: str, repeat: int, logs: Pa
             vk = TierServer(workdir=work / "valkey", args=(
                 "--maxmemory", f"{max(1, round(sizes['valkey_gb'] * 1024))}mb",
                 "--maxmemory-policy", "allkeys-lru"))
-            servers.append(vk.start())
+            with Deferred():
+                servers.append(vk)
+                vk.start()
         if system == "server":
-            servers.append(Server(l1_gb=sizes["server_l1_gb"], log_dir=str(logs)))
+            with Deferred():
+                servers.append(Server(l1_gb=sizes["server_l1_gb"], log_dir=str(logs)))
             conns = [{"lmcache_server": servers[-1].url}] * n
         elif system == "servers+valkey":
-            hosts = [Server(l1_gb=sizes["server_l1_gb"] / n, log_dir=str(logs),
-                            l2_adapters=[valkey_spec(vk)]) for _ in range(n)]
-            servers += hosts
-            conns = [{"lmcache_server": h.url} for h in hosts]
+            for _ in range(n):
+                with Deferred():
+                    servers.append(Server(l1_gb=sizes["server_l1_gb"] / n,
+                                          log_dir=str(logs), l2_adapters=[valkey_spec(vk)]))
+            conns = [{"lmcache_server": h.url} for h in servers[1:]]
         elif system == "valkey":
             conns = [{"cpu_gb": sizes["valkey_cpu_gb"],
                       "l2_adapters": [json.loads(valkey_spec(vk))]}] * n
@@ -465,8 +497,9 @@ def run_system(args, shape: str, sizes: dict, system: str, repeat: int, logs: Pa
         tag = f"{shape}-{system.replace('+', '-')}-r{repeat}"
         t0 = time.monotonic()
         for i in range(n):
-            replicas.append(Replica(args, work, logs, f"{tag}-replica{i}",
-                                    dict(base, replica=i, connector=conns[i]), env))
+            with Deferred():
+                replicas.append(Replica(args, work, logs, f"{tag}-replica{i}",
+                                        dict(base, replica=i, connector=conns[i]), env))
         deadline = time.monotonic() + args.start_timeout
         res["ready"] = [r.wait_file(r.ready_path, deadline) for r in replicas]
         res["start_s"] = time.monotonic() - t0
@@ -486,16 +519,18 @@ def run_system(args, shape: str, sizes: dict, system: str, repeat: int, logs: Pa
         res["tokens"] = token_check(rounds, n)
         res["done"] = True
     except Stopped:
-        res["error"] = "stopped by a signal"
+        stopped = True  # `timeout -k` leaves seconds: kill, do not wait
         raise
     except Exception as e:  # noqa: BLE001 - record it, go on with the next run
         res["error"] = f"{type(e).__name__}: {e}"[-3000:]
         print(f"[{shape} {system} r{repeat}] error: {res['error'][-800:]}", flush=True)
     finally:
         for r in replicas:
-            r.stop()
+            r.stop(fast=stopped)
         for s in servers:
-            s.stop()
+            if stopped:
+                s.kill()
+            s.stop()  # after a kill: only the lmcache server's shared memory and log
         shutil.rmtree(work, ignore_errors=True)
     return res
 
@@ -533,18 +568,19 @@ def prime(args, shape: str, sizes: dict, logs: Path, env: dict) -> dict:
     t = time.monotonic()
     model = work / "model"
     bench_serving.model_config(serving_args(args, shape)).save_pretrained(str(model))
-    r = Replica(args, work, logs, "prime", dict(
-        serving_argv=serving_argv(args, shape), model=str(model), work=str(work),
-        kv_cache_gb=sizes["kv_cache_gb"], seed=args.seed, replica=0, connector=None,
-        gpu_memory_utilization=args.gpu_memory_utilization or round(0.8 / args.replicas, 3),
-        settle_s=0.0), env)
+    with Deferred():
+        r = Replica(args, work, logs, "prime", dict(
+            serving_argv=serving_argv(args, shape), model=str(model), work=str(work),
+            kv_cache_gb=sizes["kv_cache_gb"], seed=args.seed, replica=0, connector=None,
+            gpu_memory_utilization=(args.gpu_memory_utilization
+                                    or round(0.8 / args.replicas, 3)), settle_s=0.0), env)
     try:
         ready = r.wait_file(r.ready_path, time.monotonic() + args.start_timeout)
         return dict(seconds=time.monotonic() - t, startup_s=ready["startup_s"])
     except Exception as e:  # noqa: BLE001
         return dict(error=f"{type(e).__name__}: {e}"[-2000:])
     finally:
-        r.stop()
+        r.stop(fast=True)
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -601,9 +637,9 @@ def print_table(summary: dict) -> None:
         print(f"{shape}: {sz['layers']} layers, documents {sz['doc_len']} + "
               f"{sz['question_len']} tokens, all as gemma4-kv keeps them "
               f"{sz['docs_retained_bytes'] / 1e9:.3g} GB; tiers (x{sz['tier_scale']:.2f} "
-              f"of full depth): CPU {sz['cpu_gb']:.2f} GiB per replica, server L1 "
-              f"{sz['server_l1_gb']:.2f} GB, valkey row CPU {sz['valkey_cpu_gb']:.2f} GiB, "
-              f"Valkey {sz['valkey_gb']:.2f} GB; GPU KV {sz['kv_cache_gb']:.2f} GiB per "
+              f"of full depth): CPU {sz['cpu_gb']:.3g} GiB per replica, server L1 "
+              f"{sz['server_l1_gb']:.3g} GB, valkey row CPU {sz['valkey_cpu_gb']:.3g} GiB, "
+              f"Valkey {sz['valkey_gb']:.3g} GB; GPU KV {sz['kv_cache_gb']:.3g} GiB per "
               f"replica")
     print(f"{'shape':16} {'system':15} {'round 1 s':>17} {'round 2 s':>17} "
           f"{'round 3 s':>17} {'r2 hits':>7} {'r3 hits':>7} {'r2 gpu':>6} "
@@ -675,8 +711,34 @@ def plot(summary: dict, path: str) -> bool:
     return True
 
 
+def merge(out: Path, paths: list[str]) -> dict:
+    """One summary of runs split over device calls: every run, cells over all of them,
+    the first file's meta with each part's date, command and commit."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    meta = dict(parts[0]["meta"])
+    meta.update(parts=[{k: m["meta"].get(k) for k in ("date", "command", "git_commit",
+                                                       "device", "stopped")}
+                       for m in parts],
+                command=" ; ".join(m["meta"]["command"] for m in parts),
+                repeats=max(m["meta"]["repeats"] for m in parts))
+    for m in parts[1:]:
+        meta["sizes"].update(m["meta"]["sizes"])
+        if meta.get("device") in (None, "?"):
+            meta["device"] = m["meta"].get("device")
+    runs = [r for m in parts for r in m["runs"]]
+    summary = dict(meta=meta, runs=runs, cells=cells(runs))
+    out.mkdir(parents=True, exist_ok=True)
+    _write(out / "replicas.json", summary)
+    return summary
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--merge"]:  # --merge DIR A/replicas.json B/replicas.json ...
+        summary = merge(Path(argv[1]), argv[2:])
+        print_table(summary)
+        plot(summary, str(Path(argv[1]) / "replicas.png"))
+        return 0
     if argv[:1] == ["--plot-only"]:  # --plot-only OUT.png RESULT.json
         return 0 if plot(json.loads(Path(argv[2]).read_text()), argv[1]) else 1
     if argv[:1] == ["--replica"]:  # --replica SPEC_JSON
@@ -693,11 +755,8 @@ def main(argv=None) -> int:
     if args.smoke:
         env.setdefault("OMP_NUM_THREADS", "1")
 
-    def stop(signum, frame):
-        raise Stopped(signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     command = "python benchmarks/bench_replicas.py " + " ".join(argv)
     sizes = {s: shape_sizes(args, s) for s in args.shapes}
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M %Z"), command=command,
