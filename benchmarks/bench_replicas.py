@@ -22,7 +22,8 @@ its hit share is prompt tokens served by the connector (vLLM's
 `vllm:external_prefix_cache_hits`) over prompt tokens, summed over replicas; what vLLM's
 GPU prefix cache served is counted apart. Between rounds (untimed) every replica lets its
 stores land (`bench_serving.settle_stores`, after a `--settle-s` pause for every system),
-so round 2 can see what round 1 stored.
+then the driver waits until the shared tiers stop growing (`--quiet-s`: write-behind to
+an L2 or an fs tier), so round 2 can see what round 1 stored.
 
 Systems (a fresh set of servers, tiers and replicas for each run):
 - `alone`: each replica its own embedded CPU tier (`cpu_gb`), nothing shared (the
@@ -107,8 +108,8 @@ SMOKE = dict(shapes="tiny", docs=4, batch=2, max_tokens=2, doc_len=512, question
              round_timeout=120.0, max_num_batched_tokens=1024,
              kv_cache_gb=0.0025)  # GPU KV: one request, nothing left for a later round
 SMOKE_TIERS = dict(cpu_gb=0.01, server_l1_gb=0.25, valkey_gb=0.25, valkey_cpu_gb=0.005)
-"""Tiny documents (4 x 528 tokens, 1.2 MB each as gemma4-kv keeps them): the CPU tier
-holds a replica's share, the `valkey` row's half a document."""
+"""Tiny documents (4 x 528 tokens, 1.2 MB each as gemma4-kv keeps them): every tier holds
+what it is asked to keep (the smoke test checks bookkeeping, not capacity)."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -145,6 +146,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--settle-s", type=float, default=1.0,
                    help="untimed pause after each round before its stores are awaited")
+    p.add_argument("--quiet-s", type=float, default=0.5,
+                   help="after a round, untimed: wait until the shared tiers (server L1, "
+                        "Valkey keys, fs bytes) stay unchanged this long (at most 60 s)")
     p.add_argument("--start-timeout", type=float, default=420.0,
                    help="seconds for the replicas to start and warm up")
     p.add_argument("--round-timeout", type=float, default=300.0)
@@ -441,6 +445,45 @@ def skip_reason(system: str) -> str | None:
     return None
 
 
+def shared_sizes(servers, work: Path) -> list:
+    """What the shared tiers hold now: each lmcache server's L1 bytes, each Valkey's key
+    count, the fs tier's bytes."""
+    import socket
+
+    out = []
+    for s in servers:
+        try:
+            if hasattr(s, "status"):  # lmcache server
+                out.append(s.status()["storage_manager"]["l1_manager"]["memory_used_bytes"])
+            else:  # Valkey: DBSIZE, inline
+                with socket.create_connection(("127.0.0.1", s.port), timeout=2) as c:
+                    c.sendall(b"DBSIZE\r\n")
+                    out.append(c.recv(64).strip().decode())
+        except (OSError, KeyError, TypeError) as e:
+            out.append(repr(e))
+    fs = work / "fs"
+    if fs.exists():
+        out.append(sum(f.stat().st_size for f in fs.rglob("*") if f.is_file()))
+    return out
+
+
+def quiesce(servers, work: Path, quiet_s: float, limit_s: float = 60.0) -> tuple:
+    """Untimed, after a round: wait until the shared tiers stop growing (`quiet_s`
+    unchanged; write-behind to an L2 or an fs tier lands after the replicas' own
+    commit), at most `limit_s`. Returns (seconds waited, last sizes)."""
+    t = time.monotonic()
+    last = shared_sizes(servers, work)
+    if not last or quiet_s <= 0:
+        return 0.0, last
+    while time.monotonic() - t < limit_s:
+        time.sleep(quiet_s)
+        now = shared_sizes(servers, work)
+        if now == last:
+            break
+        last = now
+    return time.monotonic() - t, last
+
+
 def valkey_spec(server) -> str:
     return json.dumps({"type": "valkey", "startup_nodes": f"127.0.0.1:{server.port}",
                        "request_timeout": 10.0, "connection_timeout": 2.0})
@@ -513,6 +556,8 @@ def run_system(args, shape: str, sizes: dict, system: str, repeat: int, logs: Pa
             reps = [r.wait_file(work / f"replica{i}.round{k}.json", deadline)
                     for i, r in enumerate(replicas)]
             rounds.append(round_record(k, reps, time.monotonic() - t))
+            rounds[-1]["quiesce_s"], rounds[-1]["shared_sizes"] = quiesce(
+                servers, work, args.quiet_s)
             print(f"[{tag}] round {k + 1}: {rounds[-1]['wall_s']:.2f} s, hits "
                   f"{100 * rounds[-1]['hit_share']:.1f}%", flush=True)
         res["rounds"] = rounds
