@@ -399,6 +399,13 @@ class Replica:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        deadline = time.monotonic() + 10  # the engine core too: its GPU memory is freed
+        while time.monotonic() < deadline:  # before the next system's engines start
+            try:
+                os.killpg(self.proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.1)
         self.log.close()
 
 

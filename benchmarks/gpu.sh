@@ -28,11 +28,13 @@
 #            router (bench_replicas.py): 16 documents, 4 in flight per replica; round 1
 #            own half (cold), round 2 the other's half, round 3 own half again; systems
 #            alone / server / valkey / servers+valkey / offloading-fs at their defaults,
-#            12B-like with 12 of its 48 layers, 8K documents. The 12B row set at
-#            REPLICAS_REPEATS=1 needs about 8 minutes (replicas=480). Choose fewer with
-#            REPLICAS_SYSTEMS, REPLICAS_SHAPES (gemma4-31b-like: 32K documents; one call
-#            per 2-3 systems), REPLICAS_REPEATS (interleaved: A B C A B C), REPLICAS_ARGS
-#            (more options); REPLICAS_TAG names the output folder (replicas_TAG) so split
+#            12B-like with 12 of its 48 layers, 8K documents, an untimed first engine.
+#            Budget about 8 minutes for the 12B row set at REPLICAS_REPEATS=1 (the
+#            default limit, replicas=480; not yet timed on the H200). Choose fewer with
+#            REPLICAS_SYSTEMS, REPLICAS_SHAPES (gemma4-31b-like: 12 of 60 layers, 32K
+#            documents; budget one call per 2-3 systems), REPLICAS_REPEATS (interleaved:
+#            A B C A B C ...; median and range), REPLICAS_ARGS (more bench_replicas.py
+#            options); REPLICAS_TAG names the output folder (replicas_TAG) so that split
 #            calls can be merged: bench_replicas.py --merge DIR A/replicas.json B/...
 #   valkey   the road to Valkey (bench_valkey.py --quick): TCP vs unix socket, value sizes,
 #            clients, io-threads, glide's compression, LMCache's valkey vs resp adapter
