@@ -392,6 +392,13 @@ class Replica:
         self.log.flush()
         return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-15:])
 
+    def terminate(self) -> None:
+        """SIGTERM to its process group, not waiting (`stop` waits)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
     def stop(self, fast: bool = False) -> None:
         """SIGTERM to its process group, a few seconds, then SIGKILL to what is left
         (`fast`: SIGKILL at once)."""
@@ -584,6 +591,8 @@ def run_system(args, shape: str, sizes: dict, system: str, repeat: int, logs: Pa
         res["error"] = f"{type(e).__name__}: {e}"[-3000:]
         print(f"[{shape} {system} r{repeat}] error: {res['error'][-800:]}", flush=True)
     finally:
+        for r in replicas if not stopped else []:
+            r.terminate()  # all at once: each may take seconds to exit
         for r in replicas:
             r.stop(fast=stopped)
         for s in servers:
