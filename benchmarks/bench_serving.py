@@ -364,6 +364,28 @@ class StatsTail:
         return [json.loads(line) for line in text[:done].splitlines() if line]
 
 
+def settle_stores(llm, vocab: int, rng: random.Random, pause_s: float = 0.0) -> None:
+    """Tiny unrelated requests (no whole chunk: nothing to store) until the stores of the
+    last requests are done: connectors commit (and report) the stores that landed on a
+    later engine step. gemma4-kv counts its save jobs and those committed (its counters
+    come with every step); the OffloadingConnector counts nothing still in flight, so it
+    gets a pause (`pause_s`, --settle-s) before its one tiny request."""
+    from vllm import SamplingParams
+
+    if pause_s:
+        time.sleep(pause_s)
+    deadline = time.monotonic() + SETTLE_LIMIT_S
+    while True:
+        llm.generate([{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(8)]}],
+                     SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+        c = counters(llm)
+        if c.get("vllm:gemma4_kv_saves_committed", 0) >= c.get("vllm:gemma4_kv_saves", 0):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"gemma4-kv saves still uncommitted after "
+                               f"{SETTLE_LIMIT_S} s of engine steps: {c}")
+
+
 def p90(xs: list[float]) -> float:
     s = sorted(xs)
     return s[max(0, math.ceil(0.9 * len(s)) - 1)] if s else 0.0
@@ -421,23 +443,8 @@ def run_worker(args, system: str, result_path: Path) -> None:
                                detokenize=False)
 
     def settle():
-        """Tiny unrelated requests (no whole chunk: nothing to store) until the stores
-        of the round are done: connectors commit (and report) the stores that landed on
-        a later engine step. gemma4-kv counts its save jobs and those committed (its
-        counters come with every step); the OffloadingConnector counts nothing still
-        in flight, so it gets a pause (--settle-s) before its one tiny request."""
-        if system.startswith("offloading"):
-            time.sleep(args.settle_s)
-        deadline = time.monotonic() + SETTLE_LIMIT_S
-        while True:
-            llm.generate([{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(8)]}],
-                         SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
-            c = counters(llm)
-            if c.get("vllm:gemma4_kv_saves_committed", 0) >= c.get("vllm:gemma4_kv_saves", 0):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"gemma4-kv saves still uncommitted after "
-                                   f"{SETTLE_LIMIT_S} s of engine steps: {c}")
+        settle_stores(llm, vocab, rng, args.settle_s if system.startswith("offloading")
+                      else 0.0)
 
     def run_round(items, sp, batch: int) -> dict:
         """items: [(label, tokens)], `batch` at a time in one llm.generate each."""

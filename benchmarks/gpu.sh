@@ -24,6 +24,18 @@
 #            on a second server (bench_shared_gpu.py)
 #   peers    the same rows for vLLM's OffloadingConnector with an fs tier
 #            (TieringOffloadingSpec) and for gemma4-kv with a Valkey L2 tier
+#   replicas N live replicas (default 2) on the one GPU, serving at once behind a cache-blind
+#            router (bench_replicas.py): 16 documents, 4 in flight per replica; round 1
+#            own half (cold), round 2 the other's half, round 3 own half again; systems
+#            alone / server / valkey / servers+valkey / offloading-fs at their defaults,
+#            12B-like with 12 of its 48 layers, 8K documents, an untimed first engine.
+#            Budget about 8 minutes for the 12B row set at REPLICAS_REPEATS=1 (the
+#            default limit, replicas=480; not yet timed on the H200). Choose fewer with
+#            REPLICAS_SYSTEMS, REPLICAS_SHAPES (gemma4-31b-like: 12 of 60 layers, 32K
+#            documents; budget one call per 2-3 systems), REPLICAS_REPEATS (interleaved:
+#            A B C A B C ...; median and range), REPLICAS_ARGS (more bench_replicas.py
+#            options); REPLICAS_TAG names the output folder (replicas_TAG) so that split
+#            calls can be merged: bench_replicas.py --merge DIR A/replicas.json B/...
 #   valkey   the road to Valkey (bench_valkey.py --quick): TCP vs unix socket, value sizes,
 #            clients, io-threads, glide's compression, LMCache's valkey vs resp adapter
 #   kernels  the mover benchmark
@@ -113,6 +125,15 @@ part_peers() {
   timeout -k 20 "${1:-400}" python3 benchmarks/bench_shared_gpu.py --out $R/peers \
     --systems "${PEERS_SYSTEMS:-offloading-fs,valkey}" --timeout 180 > $R/peers.log 2>&1
   sed -n '/^system /,$p' $R/peers.log || tail -30 $R/peers.log
+}
+part_replicas() {
+  local d=$R/replicas${REPLICAS_TAG:+_$REPLICAS_TAG}
+  timeout -k 20 "${1:-480}" python3 benchmarks/bench_replicas.py --out $d \
+    --shapes "${REPLICAS_SHAPES:-gemma4-12b-like}" \
+    --systems "${REPLICAS_SYSTEMS:-alone,server,valkey,servers+valkey,offloading-fs}" \
+    --repeats "${REPLICAS_REPEATS:-1}" ${REPLICAS_ARGS:-} > $d.log 2>&1
+  if grep -q "^replicas: " $d.log; then sed -n '/^replicas: /,$p' $d.log | grep -v "^wrote"
+  else tail -30 $d.log; fi
 }
 part_valkey() {
   timeout -k 10 "${1:-120}" python3 benchmarks/bench_valkey.py --quick \

@@ -1,0 +1,79 @@
+"""Smoke test of benchmarks/bench_replicas.py on vLLM's CPU build (`--smoke`: the tiny
+Gemma 4, 4 documents of 2048 + 16 tokens, 2 replicas serving at once), systems `alone` and
+`server` only. Checks the benchmark's bookkeeping, not its timings: the JSON's structure,
+round 2 (each replica asks the other's documents) served from the shared `lmcache server`
+and not at all when each replica has only its own tier (the negative control), and the
+round-2 greedy tokens equal to the cold ones (float32 on the CPU). One run of ~45 s on 2
+cores (75 s when they were busy), beside other modules' engines (tests/conftest.py
+`engine_pool`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from needs import require
+
+from e2e_common import run_group
+
+require("vllm")
+pytestmark = pytest.mark.vllm
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_replicas.py"
+TEST = "test_replicas_benchmark_runs_on_cpu"
+
+
+def engine_jobs(tmp_path_factory, selected):
+    if TEST not in selected:
+        return []
+
+    def job():
+        tmp = tmp_path_factory.mktemp("replicas")
+        env = dict(os.environ)
+        env.setdefault("VLLM_CACHE_ROOT", str(tmp / "vllm-cache"))
+        out = tmp / "out"
+        proc = run_group([sys.executable, str(BENCH), "--smoke", "--systems", "alone,server",
+                          "--out", str(out)], env=env, timeout=300)
+        return proc, out
+
+    return [("smoke", 40.0, job, 2)]  # 2 replicas: 2 engines at once
+
+
+def test_replicas_benchmark_runs_on_cpu(engine_pool):
+    proc, out = engine_pool.result((__name__, "smoke"))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    summary = json.loads((out / "replicas.json").read_text())
+    meta = summary["meta"]
+    for key in ("device", "date", "command", "git_commit", "sizes", "replicas"):
+        assert key in meta
+    assert meta["replicas"] == 2 and meta["device"] == "CPU"
+    assert "tiny" in meta["sizes"]
+    assert "r2 tokens = cold" in proc.stdout  # the table
+    runs = {r["system"]: r for r in summary["runs"]}
+    assert set(runs) == {"alone", "server"}
+    for system, run in runs.items():
+        assert run["done"], run.get("error")
+        rounds = run["rounds"]
+        assert [r["round"] for r in rounds] == [1, 2, 3]
+        for r in rounds:
+            assert len(r["replicas"]) == 2
+            assert r["prompt_tokens"] == sum(x["prompt_tokens"] for x in r["replicas"]) > 0
+            assert r["store_tokens"] == sum(x["store_tokens"] for x in r["replicas"])
+            assert r["wall_s"] == max(x["wall_s"] for x in r["replicas"])
+            assert all(len(x["requests_detail"]) == 2 for x in r["replicas"])
+        assert rounds[0]["store_tokens"] == 0  # cold
+        # Round 2 asks each replica the other's round-1 prompts: the same greedy tokens.
+        assert run["tokens"] == dict(compared=4, differ=0, identical=True)
+        cell = summary["cells"]["tiny"][system]
+        assert cell["runs"] == 1 and cell["tokens_identical"]
+        assert [c["hit_share"]["n"] for c in cell["rounds"]] == [1, 1, 1]
+    # The shared server serves the other replica's documents; alone, nothing does.
+    server2 = runs["server"]["rounds"][1]
+    assert server2["store_tokens"] > 0, [r["counters"] for r in server2["replicas"]]
+    assert runs["alone"]["rounds"][1]["store_tokens"] == 0
+    # Alone, a replica's own documents come back from its own tier in round 3.
+    assert runs["alone"]["rounds"][2]["store_tokens"] > 0
