@@ -537,7 +537,8 @@ def run_system(args, shape: str, sizes: dict, system: str, repeat: int, logs: Pa
             for _ in range(n):
                 with Deferred():
                     servers.append(Server(l1_gb=sizes["server_l1_gb"] / n,
-                                          log_dir=str(logs), l2_adapters=[valkey_spec(vk)]))
+                                          log_dir=str(logs),
+                                          l2_adapters=[json.loads(valkey_spec(vk))]))
             conns = [{"lmcache_server": h.url} for h in servers[1:]]
         elif system == "valkey":
             conns = [{"cpu_gb": sizes["valkey_cpu_gb"],
