@@ -49,8 +49,9 @@ if installed), and per engine DIR/<system>.r<i>.json, .log and -work/ (the model
 gemma4-kv's stats file), DIR/prime.*.
 
     python benchmarks/bench_serving.py --merge DIR A/serving.json B/serving.json
-joins runs split over device calls: other scenarios join each repeat, the same
-scenarios add repeats.
+joins runs split over device calls: each call's engines become repeats, and a call
+may run other scenarios than the next (each round's median is over the repeats that
+ran it).
 """
 
 from __future__ import annotations
@@ -887,9 +888,10 @@ def print_table(summary: dict) -> None:
               f"{sz['over_retained_over_cpu']:.2f}x as gemma4-kv retains it: "
               f"{100 * sz['retained_over_dense']:.1f}% of dense)")
     prime = summary.get("prime")
-    if isinstance(prime, dict):
-        print(f"untimed first engine: {prime['system']}, {prime.get('process_s', 0):.1f} s "
-              f"(start-up {fmt(prime.get('startup_s'), 1)} s)")
+    for p in prime if isinstance(prime, list) else [prime]:
+        if p:
+            print(f"untimed first engine: {p['system']}, {p.get('process_s', 0):.1f} s "
+                  f"(start-up {fmt(p.get('startup_s'), 1)} s)")
     head = (f"{'scenario':8} {'system':19} {'rnd':>3} {'kind':4} {'wall s':>17} "
             f"{'ttft':>20} {'p90':>20} {'store %':>17} {'gpu %':>17} {'B/tok':>8} "
             f"{'load GB':>7} {'note':}")
@@ -975,29 +977,26 @@ def plot(summary: dict, path: str) -> bool:
 
 
 def merge(out: Path, parts: list[dict]) -> int:
-    """One result from runs split over device calls (same shape and systems): runs of
-    other scenarios join each repeat's results (same number of repeats); runs of the
-    same scenarios add repeats. Each run's meta is kept under `runs`."""
+    """One result from runs of the same shape and systems split over device calls (each
+    call with its own untimed first engine): every part's engines become repeats, in
+    the parts' order (repeat i of each system stays beside repeat i of the others: the
+    same call). A scenario's rounds are aggregated over the repeats that ran it, so parts
+    may run other scenarios (fits in one call, chat in the next). Each part's meta is
+    kept under `meta.runs`, its untimed engine under `prime`."""
     if any("runs" not in r for p in parts for r in p["systems"].values()
            if not r.get("skipped")):
         print("a part has no per-repeat results (written before --repeats): not merged")
         return 1
     runs: dict[str, list[dict]] = {}
-    for p in parts:
+    for k, p in enumerate(parts):
         for s, r in p["systems"].items():
-            new = r.get("runs") or [r]
             have = runs.setdefault(s, [])
-            if not have or have[0].get("skipped"):
-                have[:] = [dict(x) for x in new]
+            if r.get("skipped"):
+                have[:] = have or [dict(r)]
                 continue
-            scenes = {n for x in have for n in x.get("scenarios", {})}
-            if scenes.isdisjoint(n for x in new for n in x.get("scenarios", {})) \
-                    and len(new) == len(have):
-                for x, y in zip(have, new):
-                    x["scenarios"] = {**x.get("scenarios", {}), **y.get("scenarios", {})}
-                    x["done"] = bool(x.get("done") and y.get("done"))
-            else:
-                have += [dict(y, repeat=len(have) + j) for j, y in enumerate(new)]
+            if have and have[0].get("skipped"):
+                have.clear()
+            have += [dict(x, repeat=len(have) + j, part=k) for j, x in enumerate(r["runs"])]
     meta = dict(parts[0]["meta"], runs=[p["meta"] for p in parts],
                 repeats=max(len(rs) for rs in runs.values()))
     engines = [dict(e, part=k) for k, p in enumerate(parts) for e in p.get("engines", [])]
