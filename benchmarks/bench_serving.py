@@ -4,6 +4,7 @@ at the same CPU memory. Modelled on LMCache's long-doc-QA and multi-round-QA ben
 
     python benchmarks/bench_serving.py --out DIR [--config gemma4-12b-like | --tiny]
         [--systems none,gemma4-kv,offloading] [--scenarios fits,over,chat] [--cpu-gb 18]
+        [--repeats 3] [--no-prime]
     python benchmarks/bench_serving.py --plot-only OUT.png DIR/serving.json
 
 Scenarios (each starts from empty caches: `reset_prefix_cache(reset_connector=True)`):
@@ -33,10 +34,24 @@ token (this connector's `stats_file` save events; `vllm:kv_offload_store_bytes` 
 OffloadingConnector) and every request's first token (exactness: compared with the same
 prompt under no connector and with the cold round; equal in batch-invariant mode).
 
-Every system runs in its own process (`--worker`), one after the other (`--parallel`:
-side by side, for exactness checks only). Writes DIR/serving.json (all systems, targets),
-DIR/serving.png (matplotlib, if installed), DIR/<system>.json, DIR/<system>.log and
-DIR/<system>-work/ (the model config; gemma4-kv's stats file).
+Every engine runs in its own process (`--worker`), one after the other (`--parallel`:
+side by side, for exactness checks only). Timings on the GPU machine swing by +-30 %
+between runs, so each system runs `--repeats` (3) times, a fresh engine each time, the
+systems interleaved (none, gemma4-kv, offloading, none, gemma4-kv, ...), and every
+figure (round wall time, TTFT, hit shares, bytes, start-up, the connector's host time
+per step kind) is reported as the median with its [min, max] (`common/stats.py`; the
+per-repeat values kept beside). Before them one untimed engine (`--prime`, no
+connector, only the warm-up round over one document) takes the machine's first-engine
+costs: vLLM's compile cache, the first kernel compiles. Writes DIR/serving.json (the
+engines in the order they ran, the aggregated systems with each repeat's own result
+under `runs`, targets), DIR/serving.png (medians, error bars for the range; matplotlib,
+if installed), and per engine DIR/<system>.r<i>.json, .log and -work/ (the model config;
+gemma4-kv's stats file), DIR/prime.*.
+
+    python benchmarks/bench_serving.py --merge DIR A/serving.json B/serving.json
+joins runs split over device calls: each call's engines become repeats, and a call
+may run other scenarios than the next (each round's median is over the repeats that
+ran it).
 """
 
 from __future__ import annotations
@@ -56,6 +71,9 @@ from array import array
 from pathlib import Path
 from types import SimpleNamespace
 
+from common import plots
+from common.stats import aggregate, fmt, med, stat
+
 SYSTEMS = ("none", "gemma4-kv", "offloading", "offloading-defaults")
 SCENARIOS = ("fits", "over", "loop", "zipf", "chat")
 CHUNK = 256  # the connector's chunk_size (its default)
@@ -69,7 +87,7 @@ TINY = dict(config="tiny", dtype="float32", block_size=32, cpu_gb=0.01, kv_cache
             fits_rounds=3, over_rounds=2, chat_users=2, chat_turns=3, docs=4,
             zipf_requests=12,
             chat_system=64, chat_history=128, chat_message=16, chat_answer=16,
-            warmup_docs=1, settle_s=0.2)
+            warmup_docs=1, settle_s=0.2, repeats=1, prime=False)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -138,6 +156,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--system-timeout", type=float, default=900.0,
                    help="seconds one system's process may take")
     p.add_argument("--label", default="", help="free text stored in the JSON (run, mode)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="engines per system, interleaved (none, gemma4-kv, offloading, "
+                        "none, ...): every figure is their median with its range")
+    p.add_argument("--prime", action=argparse.BooleanOptionalAction, default=None,
+                   help="one untimed connector-free engine on a tiny prompt set before "
+                        "the timed ones (default: on, off with --parallel or --tiny)")
     if "--tiny" in (sys.argv[1:] if argv is None else argv):
         p.set_defaults(**TINY)  # explicit options still win
     args = p.parse_args(argv)
@@ -149,6 +173,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     for s in args.scenarios:
         if s not in SCENARIOS:
             p.error(f"unknown scenario {s!r}; choose from {', '.join(SCENARIOS)}")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    if args.prime is None:
+        args.prime = not args.parallel
     if args.question_len >= CHUNK:
         p.error(f"--question-len must be < {CHUNK}: a document's end is then a stored "
                 "chunk boundary that every question of it can hit")
@@ -412,7 +440,7 @@ def run_worker(args, system: str, result_path: Path) -> None:
 
     cfg = model_config(args)
     layout = layout_of(args, cfg)
-    work = result_path.parent / f"{system}-work"  # the model's config, the stats file
+    work = result_path.parent / f"{result_path.stem}-work"  # model config, stats file
     work.mkdir(parents=True, exist_ok=True)
     model = str(work / "model")
     cfg.save_pretrained(model)
@@ -579,7 +607,21 @@ def run_chat(args, vocab: int, run_round) -> list[dict]:
 
 # -- driver ----------------------------------------------------------------------------------
 
-def run_systems(args, argv: list[str]) -> dict:
+PRIME_ARGS = ["--scenarios", "", "--warmup-docs", "1"]
+"""The untimed first engine: no connector, no scenario, only the worker's warm-up round
+over one document (start-up, first kernel compiles, vLLM's compile cache)."""
+
+
+def engine_order(args) -> list[tuple[str, int | None]]:
+    """(system, repeat) in the order the engines run: the untimed prime (repeat None)
+    first, then the systems interleaved, `--repeats` times."""
+    order = [("none", None)] if args.prime else []
+    return order + [(s, i) for i in range(args.repeats) for s in args.systems]
+
+
+def run_systems(args, argv: list[str]) -> tuple[dict, list[dict]]:
+    """Every engine of the run (`engine_order`), each in its own process: ({system: [one
+    worker result per repeat]}, [the engines as they ran, the prime first])."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONHASHSEED="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
@@ -588,6 +630,7 @@ def run_systems(args, argv: list[str]) -> dict:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     procs = {}
     stopped = []
+    engines: list[dict] = []
 
     def stop(signum, frame):
         """SIGTERM / SIGINT (e.g. `timeout`): end the workers' process groups (vLLM's
@@ -603,21 +646,30 @@ def run_systems(args, argv: list[str]) -> dict:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
 
-    def start(system):
-        log = open(out / f"{system}.log", "w")
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", system,
-               str(out / f"{system}.json"), *argv]
-        print(f"== {system}: {' '.join(cmd[1:])}", flush=True)
-        # own session: on timeout the whole group (vLLM's engine core too) is killed
-        procs[system] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True), log, time.perf_counter())
+    def tag(system, repeat):
+        return "prime" if repeat is None else f"{system}.r{repeat}"
 
-    def finish(system):
-        proc, log, t0 = procs[system]
+    def start(system, repeat):
+        name = tag(system, repeat)
+        log = open(out / f"{name}.log", "w")
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", system,
+               str(out / f"{name}.json"), *argv, *(PRIME_ARGS if repeat is None else [])]
+        what = ("untimed warm-up" if repeat is None
+                else f"repeat {repeat + 1}/{args.repeats}")
+        engines.append(dict(engine=len(engines), system=system, repeat=repeat,
+                            timed=repeat is not None, file=f"{name}.json"))
+        print(f"== engine {engines[-1]['engine']} ({what}): {system}: {' '.join(cmd[1:])}",
+              flush=True)
+        # own session: on timeout the whole group (vLLM's engine core too) is killed
+        procs[name] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True), log, time.perf_counter())
+
+    def finish(name):
+        proc, log, t0 = procs[name]
         try:
             proc.wait(timeout=max(1.0, args.system_timeout - (time.perf_counter() - t0)))
         except subprocess.TimeoutExpired:
-            print(f"== {system}: timed out after {args.system_timeout:.0f} s", flush=True)
+            print(f"== {name}: timed out after {args.system_timeout:.0f} s", flush=True)
         for sig in (signal.SIGTERM, signal.SIGKILL):  # leftovers of its group
             try:
                 os.killpg(proc.pid, sig)
@@ -626,35 +678,45 @@ def run_systems(args, argv: list[str]) -> dict:
             time.sleep(2)
         proc.wait()
         log.close()
-        return proc.returncode, time.perf_counter() - t0
+        path = out / f"{name}.json"
+        r = json.loads(path.read_text()) if path.exists() else {}
+        r.update(returncode=proc.returncode, process_s=time.perf_counter() - t0)
+        if proc.returncode != 0 or not r.get("done"):
+            lines = (out / f"{name}.log").read_text(errors="replace").splitlines()
+            r["error"] = "\n".join(lines[-25:])
+            print(f"== {name}: exit {proc.returncode}; log tail:\n" + "\n".join(lines[-8:]),
+                  flush=True)
+        return r
 
-    results = {}
-    pending = list(args.systems)
-    if any(s.startswith("offloading") for s in pending) and not cuda_present():
-        for s in [s for s in pending if s.startswith("offloading")]:
-            msg = (f"{s}: skipped: vLLM's OffloadingConnector needs CUDA (its CPU "
-                   "offloading worker has no CPU-only path)")
-            print(f"== {msg}", flush=True)
-            results[s] = dict(system=s, skipped=msg)
-            pending.remove(s)
+    runs: dict[str, list[dict]] = {s: [] for s in args.systems}
+    skipped = {}
+    if any(s.startswith("offloading") for s in args.systems) and not cuda_present():
+        for s in args.systems:
+            if s.startswith("offloading"):
+                skipped[s] = (f"{s}: skipped: vLLM's OffloadingConnector needs CUDA (its "
+                              "CPU offloading worker has no CPU-only path)")
+                print(f"== {skipped[s]}", flush=True)
+                runs[s] = [dict(system=s, skipped=skipped[s])]
+    pending = [(s, i) for s, i in engine_order(args) if s not in skipped]
     while pending and not stopped:
-        batch = pending if args.parallel else pending[:1]
-        pending = pending[len(batch):]
-        for s in batch:
-            start(s)
-        for s in batch:
-            rc, wall = finish(s)
-            path = out / f"{s}.json"
-            r = json.loads(path.read_text()) if path.exists() else {"system": s}
-            r.update(returncode=rc, process_s=wall)
-            if rc != 0 or not r.get("done"):
-                lines = (out / f"{s}.log").read_text(errors="replace").splitlines()
-                r["error"] = "\n".join(lines[-25:])
-                print(f"== {s}: exit {rc}; log tail:\n" + "\n".join(lines[-8:]), flush=True)
-            results[s] = r
-    for s in pending:
-        results[s] = dict(system=s, error=f"not run: stopped by signal {stopped[0]}")
-    return results
+        # --parallel: one repeat's systems side by side (the prime alone, first)
+        n = 1 if not args.parallel or pending[0][1] is None else \
+            sum(1 for _, i in pending if i == pending[0][1])
+        batch, pending = pending[:n], pending[n:]
+        for s, i in batch:
+            start(s, i)
+        for (s, i), e in zip(batch, engines[-len(batch):]):
+            r = finish(tag(s, i))
+            e.update(returncode=r["returncode"], process_s=r["process_s"],
+                     startup_s=r.get("startup_s"), done=bool(r.get("done")))
+            if i is not None:
+                r.setdefault("system", s)
+                runs[s].append(dict(r, repeat=i, engine=e["engine"]))
+    for s, i in pending:
+        if i is not None:
+            runs[s].append(dict(system=s, repeat=i,
+                                error=f"not run: stopped by signal {stopped[0]}"))
+    return runs, engines
 
 
 def cuda_present() -> bool:
@@ -663,9 +725,10 @@ def cuda_present() -> bool:
     return torch.cuda.is_available()
 
 
-def exactness(results: dict) -> dict:
-    """First tokens: each system against `none` on the same prompt, and each system's
-    warm rounds against its own cold round."""
+def exactness(runs: dict[str, list[dict]]) -> dict:
+    """First tokens: each system against `none` on the same prompt (repeat i against
+    none's repeat i, or its first), and each system's warm rounds against its own cold
+    round; counts summed over the repeats."""
     def firsts(r):
         out = {}
         for name, sc in r.get("scenarios", {}).items():
@@ -676,24 +739,32 @@ def exactness(results: dict) -> dict:
                                                                      q["output"][0]))
         return out
 
-    ref = firsts(results["none"]) if "none" in results else {}
+    nones = [r for r in runs.get("none", []) if r.get("scenarios")]
     report = {}
-    for s, r in results.items():
-        if not r.get("scenarios"):
+    for s, rs in runs.items():
+        rs = [r for r in rs if r.get("scenarios")]
+        if not rs:
             continue
-        mine = firsts(r)
-        vs_none = [(k, v[0][1], ref[k][0][1]) for k, v in mine.items() if k in ref]
-        cold_warm = [(k, a, b) for k, v in mine.items() for (_, a) in v[:1] for (_, b) in v[1:]]
-        report[s] = dict(
-            compared_with_none=len(vs_none) if s != "none" else None,
-            differ_from_none=(sum(a != b for _, a, b in vs_none) if s != "none" else None),
-            repeated_prompts=len(cold_warm),
-            differ_from_first_time=sum(a != b for _, a, b in cold_warm))
+        counts = dict(compared_with_none=0, differ_from_none=0, repeated_prompts=0,
+                      differ_from_first_time=0)
+        for i, r in enumerate(rs):
+            ref = firsts(nones[min(i, len(nones) - 1)]) if nones else {}
+            mine = firsts(r)
+            vs_none = [(v[0][1], ref[k][0][1]) for k, v in mine.items() if k in ref]
+            cold_warm = [(a, b) for v in mine.values() for (_, a) in v[:1] for (_, b) in v[1:]]
+            counts["compared_with_none"] += len(vs_none)
+            counts["differ_from_none"] += sum(a != b for a, b in vs_none)
+            counts["repeated_prompts"] += len(cold_warm)
+            counts["differ_from_first_time"] += sum(a != b for a, b in cold_warm)
+        if s == "none":
+            counts.update(compared_with_none=None, differ_from_none=None)
+        report[s] = dict(counts, repeats=len(rs))
     return report
 
 
-def targets(results: dict) -> dict:
-    """The issue's targets, where this run has the systems and scenarios they need."""
+def targets_of(results: dict) -> dict:
+    """The issue's targets on one repeat ({system: worker result}), where it has the
+    systems and scenarios they need."""
     def rounds(s, name):
         return results.get(s, {}).get("scenarios", {}).get(name, {}).get("rounds", [])
 
@@ -710,95 +781,168 @@ def targets(results: dict) -> dict:
     for name in ("fits", "over"):
         cold = {s: rounds(s, name)[0]["wall_s"] for s in results if rounds(s, name)}
         if "none" in cold and "gemma4-kv" in cold:
-            x = cold["gemma4-kv"] / cold["none"] - 1
-            t[f"{name}_cold_vs_none"] = dict(value=x, goal="<= +3%", met=x <= 0.03)
+            t[f"{name}_cold_vs_none"] = dict(value=cold["gemma4-kv"] / cold["none"] - 1,
+                                             goal="<= +3%", ok=lambda x: x <= 0.03)
     g, o = warm("gemma4-kv", "fits"), warm("offloading", "fits")
     if g and o:
-        t["fits_warm_vs_offloading"] = dict(value=g / o, goal="<= 0.8x", met=g / o <= 0.8)
+        t["fits_warm_vs_offloading"] = dict(value=g / o, goal="<= 0.8x", ok=lambda x: x <= 0.8)
     sh = share("gemma4-kv", "over")
     if sh is not None:
-        t["over_warm_store_share"] = dict(value=sh, goal=">= 90%", met=sh >= 0.9,
+        t["over_warm_store_share"] = dict(value=sh, goal=">= 90%", ok=lambda x: x >= 0.9,
                                           gpu_share=share("gemma4-kv", "over", "gpu_tokens"))
     for off in ("offloading", "offloading-defaults"):
         g, o = warm("gemma4-kv", "over"), warm(off, "over")
         if g and o:
-            t[f"over_warm_vs_{off}"] = dict(value=g / o, goal="< 1x", met=g / o < 1)
+            t[f"over_warm_vs_{off}"] = dict(value=g / o, goal="< 1x", ok=lambda x: x < 1)
     later = [r for r in rounds("gemma4-kv", "chat") if r["kind"] == "warm"]
     if later:
-        x = min(r["includes_answer"] for r in later)
-        t["chat_turns_hit_answers"] = dict(value=x, goal="100% of turns after the first",
-                                           met=x == 1.0)
+        t["chat_turns_hit_answers"] = dict(value=min(r["includes_answer"] for r in later),
+                                           goal="100% of turns after the first",
+                                           ok=lambda x: x == 1.0)
     return t
 
 
-def summarize(args, results: dict, command: str) -> dict:
-    import platform
+def targets(runs: dict[str, list[dict]]) -> dict:
+    """Each target on every repeat (repeat i of each system together), reported as the
+    median and range of its values; met or not on the median."""
+    n = max((len(rs) for rs in runs.values()), default=0)
+    per = [targets_of({s: rs[i] for s, rs in runs.items() if i < len(rs)}) for i in range(n)]
+    out = {}
+    for key in dict.fromkeys(k for p in per for k in p):
+        ts = [p.get(key) for p in per]
+        first = next(t for t in ts if t)
+        v = stat(t and t["value"] for t in ts)
+        out[key] = dict(value=v, goal=first["goal"], met=bool(v) and first["ok"](v["median"]))
+        if "gpu_share" in first:
+            out[key]["gpu_share"] = stat(t and t["gpu_share"] for t in ts)
+    return out
 
-    meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), command=command, label=args.label,
-                config=args.config, host=platform.node(),
-                batch_invariant=os.environ.get("VLLM_BATCH_INVARIANT") == "1",
-                args={k: v for k, v in vars(args).items() if k != "out"})
-    first = next((r for r in results.values() if "versions" in r), {})
+
+ROUND_STATS = ("wall_s", "ttft_mean_s", "ttft_p90_s", "store_share", "gpu_share",
+               "cached_share", "store_tokens", "gpu_tokens", "store_tokens_from_loads",
+               "stored_bytes", "stored_bytes_per_token", "loaded_bytes", "preemptions",
+               "includes_answer", "covers_history", "connector_ms_per_step")
+"""A round's figures that become a median and range over the repeats."""
+ENGINE_STATS = ("startup_s", "warmup_s", "process_s", "num_gpu_blocks")
+
+
+def aggregate_system(rs: list[dict]) -> dict:
+    """One system's repeats as one result: every figure of ROUND_STATS and ENGINE_STATS
+    a `stat` (median, min, max, the per-repeat values); the repeats' own results under
+    `runs`. A round is aggregated over the repeats that finished its scenario."""
+    if rs and rs[0].get("skipped"):
+        return dict(rs[0])
+    first = next((r for r in rs if "sizes" in r), {})
+    out = dict(system=first.get("system") or (rs[0].get("system") if rs else None),
+               repeats=len(rs), done=bool(rs) and all(r.get("done") for r in rs),
+               sizes=first.get("sizes"), versions=first.get("versions"), gpu=first.get("gpu"),
+               **aggregate(rs, ENGINE_STATS), scenarios={}, runs=rs)
+    bad = [r for r in rs if r.get("error")]
+    if bad:
+        out.update(error=bad[0]["error"], returncode=bad[0].get("returncode"),
+                   failed_repeats=[r.get("repeat") for r in bad])
+    names = dict.fromkeys(n for r in rs for n in r.get("scenarios", {}))
+    for name in names:
+        scs = [r["scenarios"][name] for r in rs if name in r.get("scenarios", {})]
+        rounds = []
+        for k, rd in enumerate(scs[0]["rounds"]):
+            same = [sc["rounds"][k] for sc in scs if len(sc["rounds"]) > k]
+            rounds.append(dict(round=rd["round"], kind=rd["kind"], requests=rd["requests"],
+                               prompt_tokens=rd["prompt_tokens"], repeats=len(same),
+                               **aggregate(same, ROUND_STATS)))
+        out["scenarios"][name] = dict(rounds=rounds, wall_s=stat(sc["wall_s"] for sc in scs),
+                                      repeats=len(scs))
+    return out
+
+
+def summarize(meta: dict, runs: dict[str, list[dict]], engines: list[dict]) -> dict:
+    meta = dict(meta)
+    first = next((r for rs in runs.values() for r in rs if "versions" in r), {})
     meta.update(first.get("versions", {}))
     if first.get("gpu"):
         meta["gpu"] = first["gpu"]
-    meta["sizes"] = next((r["sizes"] for r in results.values() if "sizes" in r), None)
-    return dict(meta=meta, systems=results, exactness=exactness(results),
-                targets=targets(results))
+    meta["sizes"] = next((r["sizes"] for rs in runs.values() for r in rs if "sizes" in r),
+                         None)
+    prime = [e for e in engines if not e["timed"]]
+    return dict(meta=meta, prime=prime[0] if len(prime) == 1 else (prime or None),
+                engines=engines, systems={s: aggregate_system(rs) for s, rs in runs.items()},
+                exactness=exactness(runs), targets=targets(runs))
 
 
-def _num(x, width: int, digits: int) -> str:
-    return f"{'-':>{width}}" if x is None else f"{x:{width}.{digits}f}"
+def run_meta(args, command: str) -> dict:
+    import platform
+
+    return dict(date=time.strftime("%Y-%m-%d %H:%M"), command=command, label=args.label,
+                config=args.config, host=platform.node(), repeats=args.repeats,
+                batch_invariant=os.environ.get("VLLM_BATCH_INVARIANT") == "1",
+                args={k: v for k, v in vars(args).items() if k != "out"})
+
+
+def host_line(host: dict | None) -> str:
+    """The connector's host time per step kind (ms), `median [min-max]` each."""
+    return ", ".join(f"{k} {fmt(v, 2)}" for k, v in sorted((host or {}).items()) if v)
 
 
 def print_table(summary: dict) -> None:
     m = summary["meta"]
     sz = m.get("sizes") or {}
     print(f"\n{m['config']}, {m.get('gpu', 'CPU')}, batch-invariant {m['batch_invariant']}, "
-          f"CPU tier {m['args']['cpu_gb']} GiB, GPU KV {m['args']['kv_cache_gb']} GiB")
+          f"CPU tier {m['args']['cpu_gb']} GiB, GPU KV {m['args']['kv_cache_gb']} GiB, "
+          f"{m.get('repeats', 1)} repeat(s) interleaved: median [min-max]")
     if sz:
         print(f"docs: fits {sz['fits_docs']} ({sz['fits_dense_over_cpu']:.2f}x the CPU tier "
               f"dense), over {sz['over_docs']} ({sz['over_dense_over_cpu']:.2f}x dense, "
               f"{sz['over_retained_over_cpu']:.2f}x as gemma4-kv retains it: "
               f"{100 * sz['retained_over_dense']:.1f}% of dense)")
-    head = (f"{'scenario':8} {'system':19} {'rnd':>3} {'kind':4} {'wall s':>7} {'ttft':>6} "
-            f"{'p90':>6} {'store':>6} {'gpu':>6} {'B/tok':>8} {'load GB':>7} {'note':}")
+    prime = summary.get("prime")
+    for p in prime if isinstance(prime, list) else [prime]:
+        if p:
+            print(f"untimed first engine: {p['system']}, {p.get('process_s', 0):.1f} s "
+                  f"(start-up {fmt(p.get('startup_s'), 1)} s)")
+    head = (f"{'scenario':8} {'system':19} {'rnd':>3} {'kind':4} {'wall s':>17} "
+            f"{'ttft':>20} {'p90':>20} {'store %':>17} {'gpu %':>17} {'B/tok':>8} "
+            f"{'load GB':>7} {'note':}")
     print(head)
     for name in SCENARIOS:
         for s, r in summary["systems"].items():
             for rd in r.get("scenarios", {}).get(name, {}).get("rounds", []):
                 note = ""
-                if rd.get("includes_answer") is not None:
-                    note = f"answer in hit {100 * rd['includes_answer']:.0f}%"
-                if rd.get("preemptions"):
-                    note += f" preempted {rd['preemptions']:.0f}"
-                print(f"{name:8} {s:19} {rd['round']:3} {rd['kind']:4} {rd['wall_s']:7.2f} "
-                      f"{rd['ttft_mean_s']:6.3f} {rd['ttft_p90_s']:6.3f} "
-                      f"{100 * rd['store_share']:5.1f}% {100 * rd['gpu_share']:5.1f}% "
-                      f"{_num(rd['stored_bytes_per_token'], 8, 0)} "
-                      f"{_num(rd['loaded_bytes'] and rd['loaded_bytes'] / 1e9, 7, 2)} "
-                      f"{note}")
+                if med(rd.get("includes_answer")) is not None:
+                    note = f"answer in hit {fmt(rd['includes_answer'], 0, 100)}%"
+                if med(rd.get("preemptions")):
+                    note += f" preempted {fmt(rd['preemptions'], 0)}"
+                print(f"{name:8} {s:19} {rd['round']:3} {rd['kind']:4} "
+                      f"{fmt(rd['wall_s'], 2, width=17)} {fmt(rd['ttft_mean_s'], 3, width=20)} "
+                      f"{fmt(rd['ttft_p90_s'], 3, width=20)} "
+                      f"{fmt(rd['store_share'], 1, 100, 17)} {fmt(rd['gpu_share'], 1, 100, 17)} "
+                      f"{fmt(rd.get('stored_bytes_per_token'), 0, width=8)} "
+                      f"{fmt(rd.get('loaded_bytes'), 2, 1e-9, 7)} {note}")
     for s, r in summary["systems"].items():
         if r.get("skipped"):
             print(r["skipped"])
-        elif r.get("error"):
-            print(f"{s}: did not finish (exit {r.get('returncode')}): "
+            continue
+        print(f"{s}: start-up {fmt(r.get('startup_s'), 1)} s, warm-up "
+              f"{fmt(r.get('warmup_s'), 1)} s, process {fmt(r.get('process_s'), 1)} s "
+              f"({r.get('repeats', 1)} engines)")
+        for name, sc in r.get("scenarios", {}).items():
+            for rd in sc["rounds"]:
+                if rd.get("connector_ms_per_step"):
+                    print(f"  host ms/step {name} round {rd['round']}: "
+                          f"{host_line(rd['connector_ms_per_step'])}")
+        if r.get("error"):
+            print(f"{s}: did not finish (exit {r.get('returncode')}, repeats "
+                  f"{r.get('failed_repeats')}): "
                   f"{r['error'].splitlines()[-1] if r['error'] else ''}")
     print("exactness (first tokens):", json.dumps(summary["exactness"]))
     for k, v in summary["targets"].items():
-        print(f"target {k}: {v['value']:.3f} (goal {v['goal']}) "
-              f"{'met' if v['met'] else 'NOT met'}")
+        print(f"target {k}: {fmt(v['value'], 3)} (goal {v['goal']}) "
+              f"{'met' if v['met'] else 'NOT met'} on the median")
 
 
 def plot(summary: dict, path: str) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no PNG (later: --plot-only OUT.png JSON)")
+    plt = plots.pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [n for n in SCENARIOS if any(n in r.get("scenarios", {})
                                          for r in summary["systems"].values())]
     systems = [s for s, r in summary["systems"].items() if r.get("scenarios")]
@@ -811,6 +955,7 @@ def plot(summary: dict, path: str) -> bool:
                              squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     w = 0.8 / max(1, len(systems))
+    repeats = summary["meta"].get("repeats", 1)
     for col, name in enumerate(names):
         for row, (key, label) in enumerate(rows):
             ax = axes[row][col]
@@ -818,13 +963,13 @@ def plot(summary: dict, path: str) -> bool:
             for k, s in enumerate(systems):
                 rs = summary["systems"][s]["scenarios"].get(name, {}).get("rounds", [])
                 x = [r["round"] + (k - (len(systems) - 1) / 2) * w for r in rs]
-                y = [r[key] for r in rs]
                 c = colors[k % len(colors)]
-                ax.bar(x, y, w, label=s, color=c)
+                plots.bars(ax, x, [r[key] for r in rs], w, label=s, color=c)
                 if key == "ttft_mean_s":
-                    ax.plot(x, [r["ttft_p90_s"] for r in rs], ".", color="black", ms=4)
+                    ax.plot(x, [med(r["ttft_p90_s"]) for r in rs], ".", color="black", ms=4)
                 if key == "store_share":
-                    ax.bar(x, [r["gpu_share"] for r in rs], w, bottom=y, color=c, alpha=0.35)
+                    plots.bars(ax, x, [r["gpu_share"] for r in rs], w,
+                               bottom=[r["store_share"] for r in rs], color=c, alpha=0.35)
                 n = max(n, len(rs))
             ax.set_xticks(range(n))
             ax.set_xlabel("turn (0 = first)" if name == "chat" else "round (0 = cold)")
@@ -832,11 +977,48 @@ def plot(summary: dict, path: str) -> bool:
             if key == "store_share":
                 ax.set_ylim(0, 1.05)
             ax.set_title(f"{name} ({summary['meta']['config']}, "
-                         f"{summary['meta'].get('gpu', 'CPU')})", fontsize=9)
+                         f"{summary['meta'].get('gpu', 'CPU')}; median of {repeats}, "
+                         f"bars: range)", fontsize=9)
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return True
+    return plots.save(fig, path)
+
+
+def merge(out: Path, parts: list[dict]) -> int:
+    """One result from runs of the same shape and systems split over device calls (each
+    call with its own untimed first engine): every part's engines become repeats, in
+    the parts' order (repeat i of each system stays beside repeat i of the others: the
+    same call). A scenario's rounds are aggregated over the repeats that ran it, so parts
+    may run other scenarios (fits in one call, chat in the next). Each part's meta is
+    kept under `meta.runs`, its untimed engine under `prime`."""
+    if any("runs" not in r for p in parts for r in p["systems"].values()
+           if not r.get("skipped")):
+        print("a part has no per-repeat results (written before --repeats): not merged")
+        return 1
+    runs: dict[str, list[dict]] = {}
+    for k, p in enumerate(parts):
+        for s, r in p["systems"].items():
+            have = runs.setdefault(s, [])
+            if r.get("skipped"):
+                have[:] = have or [dict(r)]
+                continue
+            if have and have[0].get("skipped"):
+                have.clear()
+            have += [dict(x, repeat=len(have) + j, part=k) for j, x in enumerate(r["runs"])]
+    meta = dict(parts[0]["meta"], runs=[p["meta"] for p in parts],
+                repeats=max(len(rs) for rs in runs.values()))
+    engines = [dict(e, part=k) for k, p in enumerate(parts) for e in p.get("engines", [])]
+    summary = summarize(meta, runs, engines)
+    summary["prime"] = [p.get("prime") for p in parts]
+    write(out, summary)
+    return 0
+
+
+def write(out: Path, summary: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serving.json").write_text(json.dumps(summary, indent=1))
+    print_table(summary)
+    plot(summary, str(out / "serving.png"))
+    print(f"wrote {out / 'serving.json'}")
 
 
 def main(argv=None) -> int:
@@ -844,19 +1026,18 @@ def main(argv=None) -> int:
     if argv[:1] == ["--plot-only"]:  # --plot-only OUT.png RESULT.json
         summary = json.loads(Path(argv[2]).read_text())
         return 0 if plot(summary, argv[1]) else 1
+    if argv[:1] == ["--merge"]:  # --merge DIR A/serving.json B/serving.json ...
+        return merge(Path(argv[1]), [json.loads(Path(a).read_text()) for a in argv[2:]])
     if argv[:1] == ["--worker"]:  # --worker SYSTEM RESULT.json ARGS...
         run_worker(parse_args(argv[3:]), argv[1], Path(argv[2]))
         return 0
     args = parse_args(argv)
     command = "python benchmarks/bench_serving.py " + " ".join(argv)
-    results = run_systems(args, argv)
-    summary = summarize(args, results, command)
-    out = Path(args.out)
-    (out / "serving.json").write_text(json.dumps(summary, indent=1))
-    print_table(summary)
-    plot(summary, str(out / "serving.png"))
-    print(f"wrote {out / 'serving.json'}")
-    return 0 if all(r.get("done") or r.get("skipped") for r in results.values()) else 1
+    runs, engines = run_systems(args, argv)
+    summary = summarize(run_meta(args, command), runs, engines)
+    write(Path(args.out), summary)
+    return 0 if all(r.get("done") or r.get("skipped")
+                    for r in summary["systems"].values()) else 1
 
 
 if __name__ == "__main__":

@@ -15,10 +15,14 @@ storing, `vllm:kv_offload_store_bytes`). Each tier size runs `bench_serving.py` 
 scenarios `loop` and `zipf` (one engine per system, emptied between the two). `--layers`
 keeps that many of the shape's layers (same groups, head sizes, window and 5:1 pattern:
 the same bytes per token per layer, so the same tier / working-set ratios) to fit the
-sweep in a GPU lease. Before the first point one short connector-free engine runs
-untimed (`--no-prime` skips it): on a fresh machine the first engine otherwise pays for
-vLLM's compile cache and every model kernel's first compile, and the system listed
-first looks slow at start-up and in its first rounds. Writes DIR/sweep.json, DIR/sweep.png and every point's own
+sweep in a GPU lease. Each point runs the systems interleaved, `--repeats` (3) times, a
+fresh engine each (bench_serving's `--repeats`), and every figure is the median of the
+repeats with its range (`common/stats.py`; the per-repeat values under `per_repeat`).
+Before the first point one short connector-free engine runs untimed (bench_serving's
+`--prime`; `--no-prime` skips it): on a fresh machine the first engine otherwise pays
+for vLLM's compile cache and every model kernel's first compile, and the system listed
+first looks slow at start-up and in its first rounds. Writes DIR/sweep.json (`meta.prime`:
+that engine), DIR/sweep.png (medians, error bars for the range) and every point's own
 bench_serving output under DIR/f<fraction>/.
 """
 
@@ -31,6 +35,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from common import plots
+from common.stats import aggregate, fmt, med
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ("gemma4-kv", "offloading")
@@ -48,6 +55,8 @@ def parse_args(argv):
     p.add_argument("--no-none", action="store_true",
                    help="no connector-free reference (a split run that already has one)")
     p.add_argument("--no-prime", action="store_true", help="no untimed first engine")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="engines per system and point, the systems interleaved")
     args, rest = p.parse_known_args(argv)
     args.fractions = [float(f) for f in args.fractions.split(",")]
     args.systems = [s for s in args.systems.split(",") if s]
@@ -70,15 +79,19 @@ def config_arg(args) -> list[str]:
     return ["--config", args.config] if args.config else []
 
 
-def run_point(args, rest, out: Path, systems, cpu_gb: float) -> dict:
+def run_point(args, rest, out: Path, systems, cpu_gb: float, prime: bool) -> dict:
+    """bench_serving at one tier size: the systems interleaved, `--repeats` times, after
+    an untimed connector-free engine if `prime`."""
     cmd = [sys.executable, str(HERE / "bench_serving.py"), "--out", str(out),
            *config_arg(args), "--systems", ",".join(systems),
            "--scenarios", "loop,zipf", "--docs", str(args.docs), "--cpu-gb", f"{cpu_gb:.4f}",
-           "--system-timeout", str(args.point_timeout), *rest]
+           "--system-timeout", str(args.point_timeout), "--repeats", str(args.repeats),
+           "--prime" if prime else "--no-prime", *rest]
     print("==", " ".join(cmd[1:]), flush=True)
     t = time.perf_counter()
+    engines = len(systems) * args.repeats + prime
     proc = subprocess.run(cmd, capture_output=True, text=True,
-                          timeout=args.point_timeout * len(systems) + 60)
+                          timeout=args.point_timeout * engines + 60)
     (out / "driver.log").parent.mkdir(parents=True, exist_ok=True)
     (out / "driver.log").write_text(proc.stdout + proc.stderr)
     path = out / "serving.json"
@@ -87,48 +100,54 @@ def run_point(args, rest, out: Path, systems, cpu_gb: float) -> dict:
     return summary
 
 
-def prime(args, rest, out: Path) -> None:
-    """One untimed connector-free engine over one document, so that compile caches and
-    first kernel compiles are not charged to whichever system runs first."""
-    cmd = [sys.executable, str(HERE / "bench_serving.py"), "--out", str(out),
-           *config_arg(args), "--systems", "none", "--scenarios", "fits", "--fits-docs", "1",
-           "--fits-rounds", "1", "--system-timeout", str(args.point_timeout), *rest]
-    print("== prime:", " ".join(cmd[1:]), flush=True)
-    t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.point_timeout + 60)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "driver.log").write_text(proc.stdout + proc.stderr)
-    print(f"== prime: exit {proc.returncode} after {time.perf_counter() - t:.1f} s", flush=True)
-
-
 def warm(rounds: list[dict]) -> dict:
-    """Warm hit share (store, and vLLM's GPU cache beside it) and round times."""
+    """One repeat: warm hit share (store, and vLLM's GPU cache beside it), round times and
+    the connector's host time per step kind (ms, the mean over the warm rounds)."""
     rs = [r for r in rounds if r["kind"] == "warm"]
     prompt = sum(r["prompt_tokens"] for r in rs)
     if not prompt:
         return {}
-    return dict(store_share=sum(r["store_tokens"] for r in rs) / prompt,
-                gpu_share=sum(r["gpu_tokens"] for r in rs) / prompt,
+    store = sum(r["store_tokens"] for r in rs) / prompt
+    gpu = sum(r["gpu_tokens"] for r in rs) / prompt
+    host = {}
+    for r in rs:
+        for k, v in (r.get("connector_ms_per_step") or {}).items():
+            host.setdefault(k, []).append(v)
+    return dict(store_share=store, gpu_share=gpu, hit_share=store + gpu,
                 warm_wall_s=[r["wall_s"] for r in rs],
                 warm_wall_mean_s=statistics.fmean(r["wall_s"] for r in rs),
-                cold_wall_s=rounds[0]["wall_s"], stored_bytes_cold=rounds[0]["stored_bytes"])
+                cold_wall_s=rounds[0]["wall_s"], stored_bytes_cold=rounds[0]["stored_bytes"],
+                host_ms_per_step={k: statistics.fmean(v) for k, v in host.items()} or None)
+
+
+ROW_STATS = ("store_share", "gpu_share", "hit_share", "warm_wall_mean_s", "cold_wall_s",
+             "stored_bytes_cold", "startup_s", "host_ms_per_step")
 
 
 def point_rows(f: float, summary: dict) -> list[dict]:
+    """Per system and order: each figure's median and range over the repeats
+    (bench_serving's per-repeat results, `runs`), the repeats' own under `per_repeat`."""
     rows = []
     for s, r in summary.get("systems", {}).items():
+        runs = r.get("runs") or [r]
         for order in ("loop", "zipf"):
-            sc = r.get("scenarios", {}).get(order)
-            if sc:
-                rows.append(dict(fraction=f, system=s, order=order, **warm(sc["rounds"]),
-                                 startup_s=r.get("startup_s")))
+            per = [dict(repeat=x.get("repeat"), startup_s=x.get("startup_s"),
+                        **warm(x["scenarios"][order]["rounds"]))
+                   for x in runs if order in x.get("scenarios", {})]
+            per = [p for p in per if "store_share" in p]
+            if per:
+                rows.append(dict(fraction=f, system=s, order=order, repeats=len(per),
+                                 **aggregate(per, ROW_STATS), per_repeat=per))
     return rows
 
 
 def hit_share(r: dict) -> float:
     """Warm prompt tokens not recomputed: from the CPU tier, or from vLLM's GPU cache in
-    front of it (with a Zipf order the GPU cache serves the hottest documents itself)."""
-    return r["store_share"] + r["gpu_share"]
+    front of it (with a Zipf order the GPU cache serves the hottest documents itself);
+    the median over the repeats (a one-run file: its sum)."""
+    if "hit_share" in r:
+        return med(r["hit_share"])
+    return med(r["store_share"]) + med(r["gpu_share"])
 
 
 def targets(rows: list[dict]) -> list[dict]:
@@ -150,37 +169,40 @@ def targets(rows: list[dict]) -> list[dict]:
 
 
 def print_table(sweep: dict) -> None:
-    print(f"\ntier sweep: {sweep['meta']['config']} ({sweep['meta'].get('layers') or 'all'} "
-          f"layers), {sweep['meta'].get('gpu', '?')}, working set "
-          f"{sweep['working_set_bytes'] / GiB:.2f} GiB ({sweep['meta']['docs']} documents)")
-    print(f"{'tier':>5} {'order':5} {'system':11} {'store':>6} {'gpu':>5} {'cold s':>7} "
-          f"{'warm s':>7} {'stored GB':>9}")
-    for r in sorted(sweep["rows"], key=lambda r: (r["order"], r["fraction"], r["system"])):
-        if "store_share" not in r:
-            continue
-        stored = r.get("stored_bytes_cold")
+    m = sweep["meta"]
+    print(f"\ntier sweep: {m['config']} ({m.get('layers') or 'all'} layers), "
+          f"{m.get('gpu', '?')}, working set {sweep['working_set_bytes'] / GiB:.2f} GiB "
+          f"({m['docs']} documents), {m.get('repeats', 1)} repeat(s) interleaved: "
+          f"median [min-max]")
+    print(f"{'tier':>5} {'order':5} {'system':11} {'store %':>17} {'gpu %':>17} "
+          f"{'cold s':>17} {'warm s':>17} {'stored GB':>9} {'start-up s':>17}")
+    rows = sorted((r for r in sweep["rows"] if "store_share" in r),
+                  key=lambda r: (r["order"], r["fraction"], r["system"]))
+    for r in rows:
         print(f"{r['fraction']:5.2f} {r['order']:5} {r['system']:11} "
-              f"{100 * r['store_share']:5.1f}% {100 * r['gpu_share']:4.1f}% "
-              f"{r['cold_wall_s']:7.2f} {r['warm_wall_mean_s']:7.2f} "
-              f"{'-' if stored is None else f'{stored / 1e9:9.2f}'}")
+              f"{fmt(r['store_share'], 1, 100, 17)} {fmt(r['gpu_share'], 1, 100, 17)} "
+              f"{fmt(r['cold_wall_s'], 2, width=17)} {fmt(r['warm_wall_mean_s'], 2, width=17)} "
+              f"{fmt(r.get('stored_bytes_cold'), 2, 1e-9, 9)} "
+              f"{fmt(r.get('startup_s'), 1, width=17)}")
+    for r in rows:
+        host = r.get("host_ms_per_step")
+        if host:
+            print(f"host ms/step, warm rounds, {r['fraction']:g} {r['order']} {r['system']}: "
+                  + ", ".join(f"{k} {fmt(v, 2)}" for k, v in sorted(host.items()) if v))
     for t in sweep["targets"]:
         goal = "-" if t["goal"] is None else f"{100 * t['goal']:.1f}%"
         off = "-" if t["offloading"] is None else f"{100 * t['offloading']:.1f}%"
         met = t["meets_goal"] in (True, None) and t["beats_offloading"] in (True, None)
         print(f"target tier {t['fraction']:.2f} {t['order']}: share {100 * t['share']:.1f}% "
-              f"goal {goal} offloading {off} -> {'met' if met else 'NOT met'}")
+              f"goal {goal} offloading {off} (medians) -> {'met' if met else 'NOT met'}")
 
 
 def plot(sweep: dict, path: str) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no PNG (later: --plot-only OUT.png JSON)")
+    plt = plots.pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    repeats = sweep["meta"].get("repeats", 1)
     for col, order in enumerate(("loop", "zipf")):
         for s, style in (("gemma4-kv", "o-"), ("offloading", "s--"), ("none", "x:")):
             rs = sorted((r for r in sweep["rows"] if r["system"] == s and r["order"] == order
@@ -188,8 +210,9 @@ def plot(sweep: dict, path: str) -> bool:
             if not rs:
                 continue
             x = [r["fraction"] for r in rs]
-            axes[0][col].plot(x, [hit_share(r) for r in rs], style, label=s)
-            axes[1][col].plot(x, [r["warm_wall_mean_s"] for r in rs], style, label=s)
+            plots.line(axes[0][col], x, [r.get("hit_share", hit_share(r)) for r in rs], style,
+                       label=s)
+            plots.line(axes[1][col], x, [r["warm_wall_mean_s"] for r in rs], style, label=s)
         xs = sorted({r["fraction"] for r in sweep["rows"]})
         if not xs:
             continue
@@ -203,11 +226,10 @@ def plot(sweep: dict, path: str) -> bool:
             axes[row][col].set_xscale("log")
             axes[row][col].set_xticks(xs, [f"{f:g}" for f in xs])
             axes[row][col].set_title(f"{order} order ({sweep['meta']['config']}, "
-                                     f"{sweep['meta'].get('gpu', '?')})", fontsize=9)
+                                     f"{sweep['meta'].get('gpu', '?')}; median of "
+                                     f"{repeats}, bars: range)", fontsize=9)
             axes[row][col].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return True
+    return plots.save(fig, path)
 
 
 def main(argv=None) -> int:
@@ -221,16 +243,19 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     ws = working_set(args, rest)
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), config=ws["config"], layers=ws["layers"],
-                docs=args.docs, fractions=args.fractions,
+                docs=args.docs, fractions=args.fractions, repeats=args.repeats,
                 command="python benchmarks/bench_sweep.py " + " ".join(argv))
     rows = []
-    if not args.no_prime:
-        prime(args, rest, out / "prime")
     for i, f in enumerate(args.fractions):
         reference = ["none"] if i == 0 and not args.no_none else []  # one reference
-        systems = args.systems + reference
-        summary = run_point(args, rest, out / f"f{f:g}", systems, f * ws["bytes"] / GiB)
+        systems = reference + args.systems
+        first = i == 0 and not args.no_prime  # the untimed engine, before the first point
+        summary = run_point(args, rest, out / f"f{f:g}", systems, f * ws["bytes"] / GiB,
+                            prime=first)
         meta.setdefault("gpu", summary.get("meta", {}).get("gpu"))
+        if first:
+            meta["prime"] = dict(summary.get("prime") or {}, point=f)
+        meta.setdefault("engines", {})[f"{f:g}"] = summary.get("engines")
         rows += point_rows(f, summary)
         if summary["returncode"]:
             print(f"== point {f}: exit {summary['returncode']} (see {out}/f{f:g}/)")
@@ -255,7 +280,8 @@ def merge(out: Path, parts: list[dict]) -> int:
         return 1
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(first["meta"], runs=[p["meta"] for p in parts],
-                fractions=sorted({f for p in parts for f in p["meta"]["fractions"]}))
+                fractions=sorted({f for p in parts for f in p["meta"]["fractions"]}),
+                prime=[p["meta"].get("prime") for p in parts])
     write(out, dict(meta=meta, working_set_bytes=first["working_set_bytes"],
                     sizes=first["sizes"], rows=[r for p in parts for r in p["rows"]]))
     return 0

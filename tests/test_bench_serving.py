@@ -2,12 +2,16 @@
 scenario at a tiny size, systems none and gemma4-kv (the OffloadingConnector needs CUDA
 and must be skipped with a message). Checks the benchmark's bookkeeping against what the
 connector must do, not its timings: both runs go beside other modules' engines
-(tests/conftest.py `engine_pool`), in the test run's vLLM cache (VLLM_CACHE_ROOT)."""
+(tests/conftest.py `engine_pool`), in the test run's vLLM cache (VLLM_CACHE_ROOT). The
+chat and zipf run is the repeats check: `--repeats 2 --prime`, engines one at a time,
+an untimed first engine, then none, gemma4-kv, none, gemma4-kv, every figure a median
+with its range and the per-repeat values."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -24,10 +28,13 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_serving.py"
 
 
 SERVING_TEST = "test_serving_benchmark_runs_on_cpu"
+REPEATS_TEST = "test_repeats_run_interleaved_after_an_untimed_engine"
 LOOP_TEST = "test_a_loop_larger_than_the_cpu_tier_keeps_hitting_on_a_stable_subset"
 ZIPF_TEST = "test_a_zipf_order_keeps_the_hot_documents"
-RUNS = ("fits,over", "chat", "zipf")
-"""Scenario runs of the serving smoke test, side by side; `zipf` repeats prompts."""
+RUNS = ("fits,over", "chat,zipf")
+"""Scenario runs of the serving smoke test; `zipf` repeats prompts. "chat,zipf" runs
+with 2 repeats after an untimed engine, its engines one at a time (REPEATED)."""
+REPEATED = "chat,zipf"
 
 
 def _bench(tmp_path, args):
@@ -46,16 +53,20 @@ def _loop_cpu_gb() -> float:
 
 def engine_jobs(tmp_path_factory, selected):
     jobs = []
-    if SERVING_TEST in selected:
+    for run in RUNS:
+        if SERVING_TEST not in selected and not (run == REPEATED and REPEATS_TEST in selected):
+            continue
         # Runs side by side (each starts its own engines): one run of all five
         # scenarios was the longest job of the test run (585 s on 2 cores).
-        for run in RUNS:
-            jobs.append((("serving", run), 70.0, lambda run=run: _bench(
-                tmp_path_factory.mktemp(f"serving-{run.replace(',', '-')}"), [
-                    "--tiny", "--inproc", "--parallel", "--systems",
-                    "none,gemma4-kv,offloading", "--scenarios", run, "--fits-rounds", "2",
-                    "--over-docs", "3", "--over-rounds", "2", "--chat-turns", "2",
-                    "--settle-s", "0.1"]), 2))  # --parallel: 2 engines at once
+        mode = (["--repeats", "2", "--prime"] if run == REPEATED  # 5 engines, one at a time
+                else ["--parallel"])  # --parallel: 2 engines at once
+        jobs.append((("serving", run), 130.0 if run == REPEATED else 70.0,
+                     lambda run=run, mode=mode: _bench(
+            tmp_path_factory.mktemp(f"serving-{run.replace(',', '-')}"), [
+                "--tiny", "--inproc", *mode, "--systems",
+                "none,gemma4-kv,offloading", "--scenarios", run, "--fits-rounds", "2",
+                "--over-docs", "3", "--over-rounds", "2", "--chat-turns", "2",
+                "--settle-s", "0.1"]), 1 if run == REPEATED else 2))
     if LOOP_TEST in selected:
         jobs.append(("loop", 60.0, lambda: _bench(tmp_path_factory.mktemp("loop"), [
             "--tiny", "--inproc", "--systems", "gemma4-kv", "--scenarios", "loop",
@@ -91,7 +102,7 @@ def test_serving_benchmark_runs_on_cpu(engine_pool):
         ex = summary["exactness"]["gemma4-kv"]
         assert ex["compared_with_none"] > 0 and ex["differ_from_none"] == 0
         assert ex["differ_from_first_time"] == 0
-    assert by_run["zipf"]["exactness"]["gemma4-kv"]["repeated_prompts"] > 0
+    assert by_run[REPEATED]["exactness"]["gemma4-kv"]["repeated_prompts"] > 0
     for sc in ("fits", "over", "chat"):
         summary = runs[sc]
         systems = summary["systems"]
@@ -99,13 +110,14 @@ def test_serving_benchmark_runs_on_cpu(engine_pool):
         assert "needs CUDA" in systems["offloading"]["skipped"]
         none, ours = systems["none"], systems["gemma4-kv"]
         assert none["done"] and ours["done"]
-        for r in (none, ours):
-            rounds = r["scenarios"][sc]["rounds"]
+        for run in none["runs"] + ours["runs"]:  # each repeat's own rounds
+            rounds = run["scenarios"][sc]["rounds"]
             assert [x["kind"] for x in rounds] == ["cold", "warm"]
             assert rounds[0]["store_share"] == 0
             assert all(x["requests"] == len(x["req"]) > 0 for x in rounds)
             assert all(q["ttft_from_metrics"] for x in rounds for q in x["req"])
-        assert all(x["store_tokens"] == 0 for x in none["scenarios"][sc]["rounds"])
+        assert all(x["store_tokens"] == 0 for run in none["runs"]
+                   for x in run["scenarios"][sc]["rounds"])
     summary = runs["fits"]
     ours = summary["systems"]["gemma4-kv"]
 
@@ -117,7 +129,7 @@ def test_serving_benchmark_runs_on_cpu(engine_pool):
     # 2 * 256 * 2 * 512 + 1 * 256 * 10 * 256 = 1,179,648 bytes. Documents: 92 % of the
     # 0.01 GiB tier over the dense 512 * (10 * 256 + 2 * 512) bytes: floor(5.38) = 5.
     assert ours["sizes"]["fits_docs"] == 5
-    fits = ours["scenarios"]["fits"]["rounds"]
+    fits = ours["runs"][0]["scenarios"]["fits"]["rounds"]
     assert fits[0]["stored_bytes"] == 5 * 1_179_648
     # Warm: the whole document is a hit (store and vLLM's own cache together), and the
     # store's share agrees with the connector's own load records.
@@ -129,9 +141,65 @@ def test_serving_benchmark_runs_on_cpu(engine_pool):
     assert warm["stored_bytes"] == 0 and warm["loaded_bytes"] > 0
 
     # Chat: the second turn's hit reaches into the first turn's answer.
-    chat = runs["chat"]["systems"]["gemma4-kv"]["scenarios"]["chat"]["rounds"]
-    assert chat[1]["includes_answer"] == 1.0 and chat[1]["covers_history"] == 1.0
+    for run in runs["chat"]["systems"]["gemma4-kv"]["runs"]:
+        chat = run["scenarios"]["chat"]["rounds"]
+        assert chat[1]["includes_answer"] == 1.0 and chat[1]["covers_history"] == 1.0
     assert runs["chat"]["targets"]["chat_turns_hit_answers"]["met"]
+
+
+def _is_stat(x, raw: list) -> bool:
+    """A figure over the repeats: its median and range, and the repeats' raw values."""
+    return (set(x) >= {"median", "min", "max", "values"} and x["values"] == raw
+            and x["min"] <= x["median"] <= x["max"]
+            and x["min"] == min(raw) and x["max"] == max(raw))
+
+
+def test_repeats_run_interleaved_after_an_untimed_engine(engine_pool):
+    """`--repeats 2 --prime` for none and gemma4-kv (the OffloadingConnector is skipped
+    on CPU): one untimed connector-free engine first, then the systems interleaved,
+    A B A B, each a fresh engine; every reported figure a median with its [min, max]
+    and the per-repeat values beside it, in the JSON and the printed table."""
+    summary = _summary(engine_pool, REPEATED)
+    out = summary["stdout"]
+    started = re.findall(r"^== engine (\d+) \(([^)]*)\): (\S+):", out, re.M)
+    assert [(what, s) for _, what, s in started] == [
+        ("untimed warm-up", "none"), ("repeat 1/2", "none"), ("repeat 1/2", "gemma4-kv"),
+        ("repeat 2/2", "none"), ("repeat 2/2", "gemma4-kv")]
+    assert [int(n) for n, _, _ in started] == list(range(5))
+    assert [(e["system"], e["repeat"], e["timed"]) for e in summary["engines"]] == [
+        ("none", None, False), ("none", 0, True), ("gemma4-kv", 0, True), ("none", 1, True),
+        ("gemma4-kv", 1, True)]
+    prime = summary["prime"]
+    assert prime["timed"] is False and prime["done"] and prime["system"] == "none"
+    assert summary["meta"]["repeats"] == 2 and "median [min-max]" in out
+    for s in ("none", "gemma4-kv"):
+        r = summary["systems"][s]
+        assert r["done"] and r["repeats"] == 2
+        assert [x["repeat"] for x in r["runs"]] == [0, 1]
+        assert [x["engine"] for x in r["runs"]] == ([1, 3] if s == "none" else [2, 4])
+        for key in ("startup_s", "warmup_s", "process_s"):
+            assert _is_stat(r[key], [x[key] for x in r["runs"]]), key
+        for sc in ("chat", "zipf"):
+            rounds = r["scenarios"][sc]["rounds"]
+            raw = [x["scenarios"][sc]["rounds"] for x in r["runs"]]
+            assert len(rounds) == len(raw[0]) == len(raw[1]) > 1
+            for k, rd in enumerate(rounds):
+                assert rd["repeats"] == 2
+                for key in ("wall_s", "ttft_mean_s", "ttft_p90_s", "store_share",
+                            "gpu_share", "stored_bytes", "loaded_bytes"):
+                    assert _is_stat(rd[key], [x[k][key] for x in raw]), (s, sc, k, key)
+                host = rd.get("connector_ms_per_step")
+                if s == "gemma4-kv":  # the connector's host time per step kind
+                    assert host and "worker" in host and "scheduler" in host
+                    for kind, v in host.items():
+                        assert v["values"] == [(x[k]["connector_ms_per_step"] or {}).get(kind)
+                                                for x in raw], kind
+                else:
+                    assert not host
+    assert summary["exactness"]["gemma4-kv"]["repeats"] == 2
+    hits = summary["targets"]["chat_turns_hit_answers"]
+    assert hits["met"] and hits["value"]["values"] == [1.0, 1.0]
+    assert re.search(r"^chat +gemma4-kv +0 cold +\S+( \[\S+-\S+\])? ", out, re.M)
 
 
 def test_a_loop_larger_than_the_cpu_tier_keeps_hitting_on_a_stable_subset(engine_pool):
@@ -148,7 +216,7 @@ def test_a_loop_larger_than_the_cpu_tier_keeps_hitting_on_a_stable_subset(engine
     proc, out = engine_pool.result((__name__, "loop"))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rounds = json.loads((out / "serving.json").read_text())[
-        "systems"]["gemma4-kv"]["scenarios"]["loop"]["rounds"]
+        "systems"]["gemma4-kv"]["runs"][0]["scenarios"]["loop"]["rounds"]
     assert [r["kind"] for r in rounds] == ["cold", "warm", "warm"]
     for r in rounds[1:]:
         assert r["gpu_tokens"] == 0  # vLLM's GPU cache (LRU) holds less than the loop
@@ -172,7 +240,7 @@ def test_a_zipf_order_keeps_the_hot_documents(engine_pool):
     proc, out = engine_pool.result((__name__, "zipf-hot"))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rounds = json.loads((out / "serving.json").read_text())[
-        "systems"]["gemma4-kv"]["scenarios"]["zipf"]["rounds"]
+        "systems"]["gemma4-kv"]["runs"][0]["scenarios"]["zipf"]["rounds"]
     assert [[q["label"] for q in r["req"]] for r in rounds] == [
         ["d1q0", "d0q1", "d1q0", "d3q1"], ["d0q0", "d1q1", "d3q0", "d0q1"]]
     assert [[q["cached"] for q in r["req"]] for r in rounds] == [
