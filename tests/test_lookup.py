@@ -149,10 +149,10 @@ def test_two_unanswered_lookups_pause_lookups_for_10_s_and_one_pauses_nothing(
                            backoff_s=scheduler.RANK_BACKOFF_S)
     try:
         assert rl.client.timeout_ms == 2000
-        assert rl.lookup(LOOKUP) == (0, 0)  # a miss
+        assert rl.lookup(LOOKUP) == (0, 0, None)  # a miss
         assert not rl.paused()  # one unanswered lookup pauses nothing
         assert rl.client.waited_out == 1
-        assert rl.lookup(LOOKUP) == (0, 0)
+        assert rl.lookup(LOOKUP) == (0, 0, None)
         assert rl.client.waited_out == 2
         assert rl.paused()
         now[0] += 9.99

@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 HASH_BYTES = 32
 """Length of gemma4-kv's chunk hashes (sha256): 8 uint32 "tokens"."""
 SEAL_BYTES = 8 * integrity.SEAL_SHAPE[0]
+CONNECT_TIMEOUT_S = 10.0
+"""How long each call of the handshake when a store opens (ping, chunk size, the
+registrations, the wire probe) may wait: a server on a busy host answers its first
+calls late, and an engine's start is no hot path. Calls after it wait `timeout_s`."""
 
 
 class ServerUnavailable(ConnectionError):
@@ -126,6 +130,32 @@ def server_argv(lmcache: str, *, port: int, shm_name: str, l1_gb: float, http_po
     return argv
 
 
+def check_speaks_zmq(url: str, timeout_s: float) -> None:
+    """Refuse (ServerUnavailable) an address whose peer does not open with ZMQ's
+    greeting (ZMTP 3: a 0xFF ... 0x7F signature, sent by both sides at once) within
+    `timeout_s`. LMCache 0.5.6's clients share one polling thread per process, whose
+    send to a peer that accepted TCP but never completes the ZMQ handshake blocks
+    every client of the process for good (seen in the tests: one store opened on a
+    plain TCP listener left every later store unanswered)."""
+    import socket
+
+    host, port = url.removeprefix("tcp://").rsplit(":", 1)
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as s:
+            s.settimeout(timeout_s)
+            greeting = b""
+            while len(greeting) < 10:
+                part = s.recv(10 - len(greeting))
+                if not part:
+                    break
+                greeting += part
+    except (OSError, ValueError) as e:
+        raise ServerUnavailable(f"{url}: no answer to ping ({e})") from None
+    if len(greeting) < 10 or greeting[0] != 0xFF or greeting[9] != 0x7F:
+        raise ServerUnavailable(f"{url}: no answer to ping (the peer does not speak ZMQ: "
+                                f"{greeting[:10]!r})")
+
+
 def object_slots(group: KVGroup, chunk_size: int) -> int:
     """Token slots registered per object: the chunk, plus enough for the trailer."""
     row = 2 * len(group.layers) * group.num_kv_heads * group.head_size * group.dtype.itemsize
@@ -178,6 +208,7 @@ class ServerConnection:
         once without waiting: while it stays down, this grows only by calls that were
         already waiting when it went."""
         self._counting = threading.Lock()
+        check_speaks_zmq(url, max(timeout_s, CONNECT_TIMEOUT_S))
         self.client = lmcache.server_client(url)
         self._healthy = True
         self.state = threading.RLock()
@@ -187,15 +218,16 @@ class ServerConnection:
         self.on_new_server: list = []
         self._space = self._new_space(namespace)
         try:
-            if not self.call(self.client.ping(None), "ping"):
+            wait = max(timeout_s, CONNECT_TIMEOUT_S)
+            if not self.call(self.client.ping(None), "ping", timeout_s=wait):
                 raise ServerUnavailable(f"{url}: ping refused")
             self.server_chunk = int(self.call(self.client.get_chunk_size(),
-                                               "get_chunk_size"))
+                                               "get_chunk_size", timeout_s=wait))
             if self.server_chunk * 4 < HASH_BYTES:
                 raise UnsupportedServer(f"server chunk size {self.server_chunk} holds no "
                                         f"{HASH_BYTES}-byte hash: start it with --chunk-size 8")
-            self._register(self._space)
-            self._probe_wire()
+            self._register(self._space, timeout_s=wait)
+            self._probe_wire(timeout_s=wait)
         except Exception:
             self.client.close()
             raise
@@ -220,10 +252,13 @@ class ServerConnection:
         return self.l1.size
 
     # -- connection -------------------------------------------------------------------
-    def call(self, future, what: str, *, probing: bool = False):
-        """The answer of one RPC within the timeout, or ServerUnavailable. Gives up at
-        once when another thread has found the server down (unless `probing`)."""
-        deadline = time.monotonic() + self.timeout_s
+    def call(self, future, what: str, *, probing: bool = False,
+             timeout_s: float | None = None):
+        """The answer of one RPC within `timeout_s` (default: the connection's), or
+        ServerUnavailable. Gives up at once when another thread has found the server
+        down (unless `probing`)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         while not future.wait(0.02):
             if not self._healthy and not probing:
                 raise ServerUnavailable(f"{self.url} is not answering")
@@ -232,10 +267,10 @@ class ServerConnection:
                     self.waited_out_once()
                 if self._healthy:
                     logger.warning("gemma4-kv: %s gave no answer to %s within %g s",
-                                   self.url, what, self.timeout_s)
+                                   self.url, what, timeout_s)
                 self._healthy = False
                 raise ServerUnavailable(f"{self.url}: no answer to {what} within "
-                                        f"{self.timeout_s} s")
+                                        f"{timeout_s} s")
         return future.result(0)
 
     def waited_out_once(self) -> None:
@@ -261,7 +296,8 @@ class ServerConnection:
         base = int.from_bytes(os.urandom(5), "big") << 8  # ids are global to the server
         return Space(namespace, names, {gid: base + gid for gid in self.groups})
 
-    def _register(self, space: Space, probing: bool = False) -> None:
+    def _register(self, space: Space, probing: bool = False,
+                  timeout_s: float | None = None) -> None:
         """Register every group of `space` (idempotent on the server), map its L1."""
         futures = []
         for gid, g in self.groups.items():
@@ -273,7 +309,8 @@ class ServerConnection:
                     dtype_str=str(g.dtype).removeprefix("torch."), use_mla=False,
                     num_physical_slots=self._slots[gid])))
         pools = {(r.shm_name, r.pool_size) for r in
-                 (self.call(f, "register", probing=probing) for f in futures)}
+                 (self.call(f, "register", probing=probing, timeout_s=timeout_s)
+                  for f in futures)}
         (name, size), = pools
         if not name or size <= 0:
             raise UnsupportedServer(
@@ -281,9 +318,9 @@ class ServerConnection:
                 "engine_driven --shm-name NAME --no-l1-use-lazy and a /dev/shm larger than L1")
         self._mapped(name, size)
         for iid in space.ids.values():  # ping-proven: reaped after 120 s of silence, not 3600
-            self.call(self.client.ping(iid), "ping", probing=probing)
+            self.call(self.client.ping(iid), "ping", probing=probing, timeout_s=timeout_s)
 
-    def _probe_wire(self, probing: bool = False) -> None:
+    def _probe_wire(self, probing: bool = False, timeout_s: float | None = None) -> None:
         """A keyed call that does nothing (an empty range): a server of another wire
         format (0.5.7 sends `token_bytes`) cannot decode the key and never answers,
         while registration and pings still work."""
@@ -292,7 +329,8 @@ class ServerConnection:
         try:
             self.call(self.client.free_lookup_locks(
                 self.key(space, g, self.tokens([bytes(HASH_BYTES)]), 0, 0, self.new_rid(),
-                          None), 1), "free_lookup_locks", probing=probing)
+                          None), 1), "free_lookup_locks", probing=probing,
+                timeout_s=timeout_s)
         except ServerUnavailable:
             for iid in space.ids.values():  # nothing was reserved: safe to unregister
                 self.client.unregister_kv_cache_engine_driven_context(iid)
