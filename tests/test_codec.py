@@ -23,7 +23,7 @@ from gemma4_kv.stores import codec
 from gemma4_kv.stores.config import StoreConfig
 from gemma4_kv.stores.embedded import EmbeddedStore
 from test_remote_tier import (CHUNK, LAYOUT, copied, drop_cpu_tier, lookup, needed, put,
-                              reads_back, spec_for, wait_until)
+                              reads_back, spec_for, wait_until, writes_ended)
 from tier_servers import require_server, tier_server  # noqa: F401  (fixture)
 from model_keys import chunk_hashes as _chunk_hashes
 
@@ -170,9 +170,16 @@ def open_coded(spec: dict, mode: str = "lossless", frame: float = 1.0) -> Embedd
     return EmbeddedStore(LAYOUT, fp, CHUNK, cfg)
 
 
-def stored_and_evicted(store: EmbeddedStore, hashes) -> dict:
+def stored_and_evicted(store: EmbeddedStore, hashes, path: Path | None = None) -> dict:
+    """Put every group of every chunk of `hashes` (2 objects a chunk), wait until the
+    copies to L2 ended, then evict L1. With `path` (an `fs_native` directory) it also
+    waits for the 2 * len(hashes) files that must land: LMCache's counts can read 0
+    while its store thread holds keys it took off its queue (`writes_ended`)."""
     data = put(store, hashes, torch.Generator().manual_seed(1))
-    wait_until(lambda: store.l2_writes_in_flight() == 0, "the L2 writes ended")
+    writes_ended(store)
+    if path is not None:
+        wait_until(lambda: len(files(path)) == 2 * len(hashes)
+                   and store.l2_writes_in_flight() == 0, "every object's file landed")
     drop_cpu_tier(store, hashes)
     return data
 
@@ -191,7 +198,7 @@ def test_fs_native_round_trip_is_bit_exact_and_the_files_are_frames(tmp_path):
     hashes = chunk_hashes(3)
     store = open_coded({"type": "fs_native", "base_path": str(tmp_path), "num_workers": 1})
     try:
-        data = stored_and_evicted(store, hashes)
+        data = stored_and_evicted(store, hashes, tmp_path)
         stored = files(tmp_path)
         assert stored and all(p.read_bytes()[:4] == b"G4KC" for p in stored)
         # The groups' objects differ in size (8 KiB and 4 KiB of KV): every frame is
@@ -210,7 +217,7 @@ def test_fs_native_damaged_frame_is_a_miss_and_nothing_is_loaded(tmp_path):
     hashes = chunk_hashes(3)
     store = open_coded({"type": "fs_native", "base_path": str(tmp_path), "num_workers": 1})
     try:
-        stored_and_evicted(store, hashes)
+        stored_and_evicted(store, hashes, tmp_path)
         for f in files(tmp_path):  # one payload byte of every frame
             b = bytearray(f.read_bytes())
             b[60] ^= 0x01
@@ -243,7 +250,7 @@ def test_an_uncoded_store_cannot_read_coded_objects(tmp_path):
     spec = {"type": "fs_native", "base_path": str(tmp_path), "num_workers": 1}
     coded = open_coded(spec)
     try:
-        stored_and_evicted(coded, hashes)
+        stored_and_evicted(coded, hashes, tmp_path)
     finally:
         coded.close()
     plain = EmbeddedStore(LAYOUT, fingerprint(LAYOUT, model="tiny", chunk_size=CHUNK), CHUNK,
