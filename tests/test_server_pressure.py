@@ -159,3 +159,23 @@ def test_full_lasts_while_evicted_prompts_come_back_then_everything_is_saved_aga
     assert a.admit("r5", (b"m" * 32, 512), 1)  # no sign for 100 s: ROOM
     assert a.state is Pressure.ROOM
     assert a.admit("r6", (b"o" * 32, 512), 2)  # another server process: ROOM, empty
+
+
+def test_a_save_past_the_lookups_reach_is_no_sign_of_eviction():
+    """With a draft that owns KV, a 768-token prompt's lookup can name 2 chunks (reach
+    512), while its save after a token is generated names the end 768 again. Stored
+    by r1, that end saved again by r2 (reach 512, hit 512) says nothing of the server:
+    ROOM stays. The control: a lookup that could reach 768 and missed it is the sign
+    (FULL). On 4d4f0ed the first case turned FULL and refused every later new end
+    (tests/test_e2e_eagle.py's server case then hit 512 where 1024 is due)."""
+    a = Admission(hold_s=100.0, clock=lambda: 0.0)
+    end768 = (b"c" * 32, 768)
+    assert a.admit("r1", end768, 1)
+    a.looked_up("r2", 512)
+    a.hit("r2", (b"b" * 32, 512), 1)
+    assert a.admit("r2", end768, 1)
+    assert a.state is Pressure.ROOM and a.refused == 0
+    assert a.admit("r3", (b"d" * 32, 1024), 1)  # a new end: stored (ROOM)
+    a.looked_up("r4", 768)  # the control: it could have hit 768, and did not
+    a.admit("r4", end768, 1)  # (admitted or not by frequency: 2 before, against 1)
+    assert a.state is Pressure.FULL

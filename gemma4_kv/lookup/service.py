@@ -91,6 +91,7 @@ class LookupService:
         now = self._clock()
         n = min(len(msg.hashes), -(-msg.limit // self.chunk_size))
         chain = msg.hashes[:n]
+        self.store.looked_up(msg.req_id, min(msg.limit, n * self.chunk_size))
         pending = self._pending.pop(msg.req_id, None)
         candidates = None
         if pending is None and self.store.slow_tier_up() and self.wait.allows(now):

@@ -184,6 +184,13 @@ class ChunkStore(abc.ABC):
         or not): whatever the store still holds for it goes, now or when it settles.
         Idempotent."""
 
+    def looked_up(self, req_id: str, reach: int) -> None:
+        """Request `req_id` was looked up for a hit of at most `reach` tokens (its chain's
+        keyable chunks, capped by the lookup's limit): a later save of it towards an
+        end past `reach` is not that end "asked again", whatever the hit. Lookup
+        thread, never waits, called before every lookup's first store read. A store
+        that infers eviction from what requests miss keeps it; others need not."""
+
     @abc.abstractmethod
     def pin(self, chain: Sequence[bytes], start: int, hit: int,
             req_id: str = "") -> Pinned | None:

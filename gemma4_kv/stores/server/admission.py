@@ -11,7 +11,10 @@ per request, halved as they age), so a newly hot prompt gets in and stale ends g
 
 The server reports its use over HTTP only, so FULL is inferred (`advance`): an end this
 engine stored is asked again and must be saved again (the server evicted it), or an end
-evicted or refused before is asked again. FULL lasts `hold_s` after the last such sign,
+evicted or refused before is asked again. "Asked" means within the request's lookup
+reach (`looked_up`): a save towards an end its lookup could not name (with a draft
+that owns KV, the prompt's last chunk has no key until a token follows it) says nothing
+of the server. FULL lasts `hold_s` after the last such sign,
 then the engine saves everything again (ROOM), as it does at start and on a new server
 process. Bookkeeping only: no I/O, one lock, O(1) per call; `reserve` (model thread)
 and `pin` (lookup thread) both call it.
@@ -82,6 +85,8 @@ class Admission:
         """(request, end) hit: that request's save of the end follows a hit."""
         self._decided: OrderedDict[tuple[str, EndKey], bool] = OrderedDict()
         """(request, end) -> the decision on its first save (later ones follow it)."""
+        self._reach: OrderedDict[str, int] = OrderedDict()
+        """request -> the longest hit its lookups could have found (tokens)."""
         self.refused = 0
         """Saves refused so far (first decisions only)."""
 
@@ -91,7 +96,8 @@ class Admission:
         now = self._clock()
         if event is Event.EPOCH:
             self.state = Pressure.ROOM
-            for d in (self._resident, self._absent, self._hit, self._decided):
+            for d in (self._resident, self._absent, self._hit, self._decided,
+                      self._reach):
                 d.clear()
         elif event is Event.EVICTED:
             self.state, self._until = Pressure.FULL, now + self.hold_s
@@ -115,6 +121,11 @@ class Admission:
             _remember(self._resident, key)
             _remember(self._hit, (req_id, key))
 
+    def looked_up(self, req_id: str, reach: int) -> None:
+        """`req_id`'s lookup could have hit up to `reach` tokens (the longest it asked)."""
+        with self._lock:
+            _remember(self._reach, req_id, max(reach, self._reach.get(req_id, 0)))
+
     def admit(self, req_id: str, key: EndKey, epoch: int) -> bool:
         """Whether `req_id`'s save towards end `key` may reserve room on the server;
         the first call per (request, end) decides, later ones get the same answer."""
@@ -128,7 +139,8 @@ class Admission:
             if (req_id, key) in self._hit:
                 ok = True  # a save after this request's hit: the server holds it
             else:
-                if key in self._resident or key in self._absent:
+                asked = key[1] <= self._reach.get(req_id, key[1])  # unknown: asked
+                if asked and (key in self._resident or key in self._absent):
                     self._resident.pop(key, None)
                     self.advance(Event.EVICTED)
                 ok = self.state is Pressure.ROOM

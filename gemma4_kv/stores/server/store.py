@@ -424,6 +424,9 @@ class ServerStore(ChunkStore):
                 out[g].add(index[h])
         return out
 
+    def looked_up(self, req_id: str, reach: int) -> None:
+        self.admission.looked_up(req_id, reach)
+
     def pin(self, chain: Sequence[bytes], start: int, hit: int,
             req_id: str = "") -> Pinned | None:
         """The objects of tokens [start, hit) from a verified hit of `chain`; without one
