@@ -19,7 +19,10 @@ HIGH ends are ranked by W-TinyLFU (Einziger, Friedman, Manes: "TinyLFU: A Highly
 Efficient Cache Admission Policy", 2017). A new end enters a recency window
 (`window_share` of the tier); the oldest ends pushed out of it stay only by displacing
 ends of the main part (a segmented LRU) that were asked for less often. An end too large
-for the window is admitted to main only the same way. Frequencies count the requests
+for the window is admitted to main only the same way. In a store with an L2 tier
+(`ties_admit`) an end asked as often as main's least recent one displaces it: L2 still
+holds it, and a long document asked once can be brought up from L2 and served rather
+than recomputed (a tie would refuse it room). Frequencies count the requests
 that saved an end and the hits it served, halved every `sample` counts so that old
 popularity fades. A looping or scanning set larger than the tier thus keeps a stable
 subset that hits every round, where LRU keeps nothing.
@@ -81,7 +84,8 @@ class _End:
 
 class Capacity:
     def __init__(self, limit: int, *, window_share: float = 0.05,
-                 protected_share: float = 0.8, min_sample: int = 1024):
+                 protected_share: float = 0.8, min_sample: int = 1024,
+                 ties_admit: bool = False):
         self.limit = limit
         self._lock = threading.RLock()
         self._ends: dict[EndKey, _End] = {}
@@ -91,8 +95,10 @@ class Capacity:
         self._garbage: set[ObjKey] = set()  # in the tier, needed by no end: to delete
         self._requests: dict[str, set[EndKey]] = {}  # ends each saving request planned
         self._at: dict[bytes, set[EndKey]] = {}  # ends by the hash of their last chunk
+        self._promised: dict[str, int] = {}  # room made for lookups in flight, by owner
         self._rank = Ranking(self._ends, lambda: self.limit, window_share=window_share,
-                             protected_share=protected_share, min_sample=min_sample)
+                             protected_share=protected_share, min_sample=min_sample,
+                             ties_admit=ties_admit)
         self.used = 0
 
     # -- what is stored ---------------------------------------------------------------
@@ -228,8 +234,10 @@ class Capacity:
 
     def finished(self, req_id: str) -> list[ObjKey]:
         """A request stopped saving: ends only it was completing are given up. Returns
-        the objects no end needs any more (to delete)."""
+        the objects no end needs any more (to delete). A lookup's room promised to
+        `req_id` goes too (`room`)."""
         with self._lock:
+            self._promised.pop(req_id, None)
             for key in self._requests.pop(req_id, ()):
                 end = self._ends.get(key)
                 if end is not None and not end.live:
@@ -279,18 +287,30 @@ class Capacity:
         with self._lock:
             return self._take_garbage()
 
-    def room(self, nbytes: int, asked: EndKey) -> tuple[bool, list[ObjKey]]:
+    def room(self, nbytes: int, asked: EndKey, owner: str = "") -> tuple[bool, list[ObjKey]]:
         """Make room for `nbytes` a lookup of `asked` may bring up from another tier, as
-        a save of it could (`_victims`): (whether they fit, objects to delete now)."""
+        a save of it could (`_victims`): (whether they fit, objects to delete now). The
+        room is promised to `owner` until `landed(owner)` or `finished(owner)`: other
+        lookups in flight at once do not count it free (their objects would find no
+        room in L1 when LMCache loads them)."""
         with self._lock:
-            short = nbytes - (self.limit - self.used)
-            if short <= 0:
-                return True, self._take_garbage()
-            victims = self._rank.victims(short, HIGH, self.frequency(asked) + 1, nbytes,
-                                         self._alone)
-            for end in victims or ():
-                self._evict(end)
-            return victims is not None, self._take_garbage()
+            short = nbytes - (self.limit - self.used - sum(self._promised.values()))
+            ok = short <= 0
+            if not ok:
+                victims = self._rank.victims(short, HIGH, self.frequency(asked) + 1,
+                                             nbytes, self._alone)
+                for end in victims or ():
+                    self._evict(end)
+                ok = victims is not None
+            if ok and owner:
+                self._promised[owner] = nbytes
+            return ok, self._take_garbage()
+
+    def landed(self, owner: str) -> None:
+        """What `owner`'s lookup brought up is in the tier's account now (`kept`), or
+        never will be: its promised room is no longer set apart."""
+        with self._lock:
+            self._promised.pop(owner, None)
 
     def hold(self, owner: str, keys: Iterable[ObjKey]) -> None:
         """Keep these objects (in the tier, stored) until `finished(owner)`, whatever
@@ -323,7 +343,8 @@ class Capacity:
         with self._lock:
             self.__init__(self.limit, window_share=self._rank.window_share,
                           protected_share=self._rank.protected_share,
-                          min_sample=self._rank.min_sample)
+                          min_sample=self._rank.min_sample,
+                          ties_admit=self._rank.ties_admit)
 
     # -- policy -----------------------------------------------------------------------
     def _alone(self, end: _End, released: dict) -> int:

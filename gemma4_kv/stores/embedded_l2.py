@@ -149,15 +149,16 @@ class L2Prefetches:
         p = L2Prefetch(time.monotonic(), chain=tuple(chain), start=start, limit=limit,
                       namespace=self._namespace())
         asked = hit_end(self._layout, self._chunk_size, chain, limit, HIGH)
-        if not self.tier_up() or not self._make_room(asked):
+        if not self.tier_up() or not self._make_room(asked, p.owner):
             p.finished, p.stage = True, Stage.DONE
             return p
         self._submit(p, [([(gid, list(chain)) for gid in self._groups], "prefix")])
         return p
 
-    def _make_room(self, asked: EndSpec) -> bool:
-        """Room in L1 for what a prefetch of `asked` may bring up."""
-        ok, garbage = self._capacity.room(self._missing_bytes(asked), asked.key)
+    def _make_room(self, asked: EndSpec, owner: str) -> bool:
+        """Room in L1 for what a prefetch of `asked` may bring up, set apart for it
+        (`owner`) until it settles."""
+        ok, garbage = self._capacity.room(self._missing_bytes(asked), asked.key, owner)
         self._delete(garbage)
         return ok
 
@@ -249,6 +250,7 @@ class L2Prefetches:
         answer, a key of it that leaves L1 is marked again (`left_l1`). Its tasks are
         still polled: what they lock when they answer is unlocked then."""
         self._tier.unlock(p.held)
+        self._capacity.landed(p.owner)  # what lands later is outside the account
         p.hung_keys = p.held + p.untrusted
         self._unverified.update(p.hung_keys)
         self._hung_keys.update(p.hung_keys)
@@ -368,6 +370,7 @@ class L2Prefetches:
                 bad.append(key)
             else:  # not verified: verified again before it is ever offered
                 self._unverified.add(key)
+        self._capacity.landed(p.owner)
         if p.namespace == self._namespace():
             # Tracked from now on: the hit's objects are held for the lookup's pin (if
             # it still waits), what no hit needs is deleted (strays at once).
