@@ -125,16 +125,17 @@ def test_a_damaged_frame_is_refused_before_decoding(at, monkeypatch):
 
 def test_the_codec_is_in_the_fingerprint():
     base = fingerprint(LAYOUT, model="tiny", chunk_size=CHUNK)
-    ids = {codec.identity(m, f) for m, f in
-           [("none", 0.9), ("lossless", 0.9), ("lossless", 1.0), ("lossless", 0.75)]}
+    ids = {codec.identity(m, f, b) for m, f, b in
+           [("none", 0.9, 4), ("lossless", 0.9, 4), ("lossless", 1.0, 4),
+            ("lossless", 0.75, 4), ("cachegen", 0.9, 4), ("cachegen", 0.9, 3)]}
     names = {fingerprint(LAYOUT, model="tiny", chunk_size=CHUNK, codec=i) for i in ids}
-    assert len(ids) == len(names) == 4
+    assert len(ids) == len(names) == 6
     assert fingerprint(LAYOUT, model="tiny", chunk_size=CHUNK, codec="") == base
     cfg = StoreConfig(l2_adapters=({"type": "mock", "max_size_gb": 1},), codec="lossless")
     assert cfg.codec_identity() == codec.identity("lossless", 0.9) != ""
     assert StoreConfig(codec="lossless").codec_identity() == ""  # no L2 tier: no codec
     assert all(s["serde"] == {"type": "gemma4_kv", "mode": "lossless", "frame": 0.9,
-                              "object_bytes": 5000}
+                              "bits": 4, "frame_bytes": 5000}
                for s in StoreConfig(disk_path="/x", l2_adapters=cfg.l2_adapters,
                                     codec="lossless").adapter_specs(5000))
 
@@ -146,7 +147,7 @@ def test_settings(tmp_path):
     assert ConnectorSettings().l2_codec == "none"
     for extra, says in [
             ({"l2_codec": "lossless"}, "there is none"),
-            ({"l2_codec": "zstd", "disk_path": str(tmp_path)}, "none/lossless"),
+            ({"l2_codec": "zstd", "disk_path": str(tmp_path)}, "none/lossless/cachegen"),
             ({"l2_codec_frame": 1.5}, "at most 1"), ({"l2_codec_frame": 0}, "> 0"),
             ({"l2_codec": "lossless", "l2_adapters": [
                 {"type": "mock", "max_size_gb": 1, "mock_bandwidth_gb": 1, "serde": {"type": "fp8"}}]}, "fp8"),

@@ -60,6 +60,10 @@ def engine_jobs(tmp_path_factory, selected):
     if "test_lossless_disk_tier_serves_identical_outputs" in selected:
         jobs.append(("disk_lossless", 80.0,
                      lambda: _disk_runs(tmp_path_factory.mktemp("disk_lossless"), LOSSLESS)))
+    if "test_cachegen_disk_tier_serves_hits_and_reports_agreement" in selected:
+        jobs.append(("disk_cachegen", 80.0,
+                     lambda: _disk_runs(tmp_path_factory.mktemp("disk_cachegen"),
+                                        {"l2_codec": "cachegen"})))
     if "test_connector_with_mtp_assistant" in selected:
         tmp = tmp_path_factory.mktemp("mtp")
         for name, job in mtp_case_runs(tmp, engine=ENGINE).items():
@@ -103,7 +107,7 @@ def test_second_engine_reuses_kv_from_the_disk_tier(engine_pool):
     check_disk_hits(producer, consumer, events)
 
 
-def check_disk_hits(producer, consumer, events):
+def check_disk_hits(producer, consumer, events, exact: bool = True):
     assert producer["cached"] == [0] * len(prompts())
     # The producer stored each prompt's whole chunks and the windows before its own
     # limit, so each hits min(its whole chunks, (P - 1) // 64 * 64):
@@ -120,7 +124,8 @@ def check_disk_hits(producer, consumer, events):
     assert waits[0] == {} and consumer["cached"][0] == hits[0], why
     for got, want, skipped in zip(consumer["cached"], hits, waits):
         assert got == want if not skipped else got <= want, why
-    assert consumer["outputs"] == producer["outputs"]
+    if exact:
+        assert consumer["outputs"] == producer["outputs"]
     assert not [e for e in events if e["event"] == "save"]
 
 
@@ -143,6 +148,32 @@ def test_lossless_disk_tier_serves_identical_outputs(engine_pool):
     print(f"\nlossless on this model's float32 KV: {len(files)} objects, {raw} bytes -> "
           f"{payload} ({raw / payload:.3f}x), {sum(h[7] == 1 for h in heads)} stored as is")
     check_disk_hits(producer, consumer, events)
+
+
+def test_cachegen_disk_tier_serves_hits_and_reports_agreement(engine_pool):
+    """The disk case with `l2_codec: cachegen` (4 bits): every file is a cachegen frame
+    (codec id 2), every one smaller than its object, and the consumer hits exactly what
+    the hand-derived plan says from those lossy objects: each decoded object passed the
+    integrity check (its trailer sealed again by the decoder), or the hit would be
+    shorter. Its greedy outputs are compared with the producer's and the agreement is
+    printed, never asserted (the codec is lossy; random weights give KV with little of
+    the structure it relies on)."""
+    cfg, producer, consumer, events, files = engine_pool.result((__name__, "disk_cachegen"))
+    assert files
+    heads = [f.read_bytes()[:48] for f in files]
+    assert all(h[:4] == b"G4KC" and h[5] == 2 for h in heads)
+    raw = sum(int.from_bytes(h[8:16], "little") for h in heads)
+    stored = sum(f.stat().st_size for f in files)
+    assert stored < raw
+    check_disk_hits(producer, consumer, events, exact=False)
+    pairs = list(zip(consumer["outputs"], producer["outputs"], strict=True))
+    same = sum(a == b for a, b in pairs)
+    first = sum(a[:1] == b[:1] for a, b in pairs)
+    tokens = sum(len(a) for a, _ in pairs)
+    agree = sum(x == y for a, b in pairs for x, y in zip(a, b))
+    print(f"\ncachegen 4 bits on this model's float32 KV: {raw} bytes -> {stored} on disk "
+          f"({raw / stored:.2f}x); outputs equal {same}/{len(pairs)}, first tokens "
+          f"{first}/{len(pairs)}, tokens {agree}/{tokens}")
 
 
 def test_connector_with_mtp_assistant(engine_pool):

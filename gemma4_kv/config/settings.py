@@ -24,10 +24,10 @@ from .checks import (Bad, SettingsError, adapters, boolean, choice, disk_path, e
 
 GiB = 1 << 30
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-CODECS = ("none", "lossless")
+CODECS = ("none", "lossless", "cachegen")
 
 SERVER_EXCLUSIVE = ("cpu_gb", "disk_path", "disk_gb", "l2_adapters", "l2_codec",
-                    "l2_codec_frame")
+                    "l2_codec_frame", "l2_codec_bits")
 """Tiers of the embedded store: with `lmcache_server` the server's own tiers serve."""
 
 
@@ -73,13 +73,18 @@ class ConnectorSettings:
     l2_codec: str = _key(
         "none", "how objects are stored in every L2 tier (`disk_path`, `l2_adapters`): "
         "`none` as they are; `lossless` byte-shuffled and zstd-compressed in a frame with "
-        "its own checksum, loads bit-identical (see \"What the codec changes\"); part of "
-        "the key fingerprint; needs an L2 tier", choice(CODECS))
+        "its own checksum, loads bit-identical; `cachegen` quantized against anchor "
+        "tokens (`l2_codec_bits`), lossy and bounded, outputs may change (see \"What the "
+        "codec changes\"); part of the key fingerprint; needs an L2 tier", choice(CODECS))
     l2_codec_frame: float = _key(
         0.9, "fraction of an object's size its stored frame takes under `l2_codec` (LMCache "
         "0.5.6's tiers load only values of one fixed size per object layout): an object "
         "that does not compress into it is not stored in L2; in (0, 1], part of the key "
         "fingerprint", fraction, shown="0.9")
+    l2_codec_bits: int = _key(
+        4, "bits per coded KV change under `l2_codec: cachegen` (2-8; anchors keep 8): fewer "
+        "bits, smaller frames and larger error (its bound: half a scale step per element); "
+        "part of the key fingerprint", integer(2, 8))
     num_programs: int = _key(
         32, "SM budget (programs, 1-1024) of the kernel that loads straight from pinned "
         "memory, layer by layer beside the forward", integer(1, 1024))
@@ -209,7 +214,8 @@ class ConnectorSettings:
                            disk_path=self.disk_path, disk_gb=self.disk_gb / ranks,
                            l2_adapters=tuple(copy.deepcopy(self.l2_adapters)),
                            verify_checksums=self.verify_checksums,
-                           codec=self.l2_codec, codec_frame=self.l2_codec_frame)
+                           codec=self.l2_codec, codec_frame=self.l2_codec_frame,
+                           codec_bits=self.l2_codec_bits)
 
 
 def _check_server(values: dict, extra: Mapping) -> None:

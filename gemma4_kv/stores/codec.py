@@ -1,4 +1,5 @@
-"""The stored form of an object in an L2 tier under `l2_codec` (no torch, no LMCache).
+"""The stored form of an object in an L2 tier under `l2_codec` (no torch, no LMCache):
+the frame every mode shares, and the lossless mode.
 
 An object (its KV and integrity trailer, as bytes) is stored as one frame of a size
 fixed by its layout (`frame_size`): LMCache 0.5.6's `fs_native` and `valkey` tiers load
@@ -11,7 +12,7 @@ Frame (little-endian):
     offset  size  field
     0       4     magic b"G4KC"
     4       1     format version (1)
-    5       1     codec id (1: lossless)
+    5       1     codec id (1: lossless, 2: cachegen, whose payload `cachegen.py` defines)
     6       1     element width the bytes were shuffled by (2 for bf16, 4 for fp32)
     7       1     payload kind: 0 zstd of the shuffled bytes, 1 the object's bytes as
                   they are (when zstd would not make them smaller)
@@ -42,8 +43,10 @@ import numpy as np
 MAGIC = b"G4KC"
 VERSION = 1
 LOSSLESS = 1
-MODES = {"lossless": LOSSLESS}
-"""Codec modes that encode (`none` stores the object as it is, with no frame)."""
+CACHEGEN = 2
+MODES = {"lossless": LOSSLESS, "cachegen": CACHEGEN}
+"""Codec modes that encode (`none` stores the object as it is, with no frame);
+`cachegen`'s payload is defined in `cachegen.py`, its frame here."""
 _HEAD = struct.Struct("<4sBBBBQQQ")
 HEADER = _HEAD.size + 16
 """Bytes before the payload: the fields and the checksum."""
@@ -68,14 +71,20 @@ def frame_size(raw_len: int, frame: float) -> int:
     return HEADER + math.ceil(raw_len * frame)
 
 
-def identity(mode: str, frame: float) -> str:
-    """What the key fingerprint names of a codec: its mode, format version and frame
-    size; "" for `none` (keys stay those of unencoded objects)."""
+def identity(mode: str, frame: float, bits: int = 4) -> str:
+    """What the key fingerprint names of a codec: its mode, format version and every
+    parameter that changes what a load returns or where it is stored (`lossless`: the
+    frame size; `cachegen`: its anchor interval, scale block and bit budget, which fix
+    its frame); "" for `none` (keys stay those of unencoded objects)."""
     if mode == "none":
         return ""
-    if mode not in MODES:
-        raise ValueError(f"unknown codec mode {mode!r}")
-    return f"{mode}-v{VERSION}-shuffle-zstd-frame{frame!r}"
+    if mode == "lossless":
+        return f"{mode}-v{VERSION}-shuffle-zstd-frame{frame!r}"
+    if mode == "cachegen":
+        from .cachegen import ANCHOR, BLOCK
+
+        return f"{mode}-v{VERSION}-anchor{ANCHOR}-block{BLOCK}-bits{bits}-zstd"
+    raise ValueError(f"unknown codec mode {mode!r}")
 
 
 def shuffle(raw: np.ndarray, width: int) -> np.ndarray:
@@ -99,6 +108,47 @@ def _checksum(frame: memoryview) -> bytes:
     return h.digest()
 
 
+def write_frame(out, codec_id: int, width: int, kind: int, raw_len: int,
+                payload: bytes) -> int:
+    """Write a frame of codec `codec_id` holding `payload` into the writable bytes-like
+    `out` (its whole length is the frame): header, payload, zero padding, checksum.
+    Returns that length; raises `DoesNotFit` (nothing written) if it does not fit."""
+    dst = memoryview(out).cast("B")
+    total = len(dst)
+    if HEADER + len(payload) > total:
+        raise DoesNotFit(f"{raw_len} bytes encode to {len(payload)}, the frame holds "
+                         f"{total - HEADER}")
+    end = HEADER + len(payload)
+    dst[HEADER:end] = payload
+    dst[end:total] = bytes(total - end)
+    _HEAD.pack_into(dst, 0, MAGIC, VERSION, codec_id, width, kind, raw_len,
+                    len(payload), total)
+    dst[_HEAD.size:HEADER] = _checksum(dst)
+    return total
+
+
+def read_frame(frame, codec_id: int, raw_len: int) -> tuple[int, int, memoryview]:
+    """(width, kind, payload) of a stored frame of codec `codec_id` for an object of
+    `raw_len` bytes, after checking magic, version, fields and the checksum over what
+    is stored: anything else raises `Damaged`, before a byte of it is decoded."""
+    src = memoryview(frame).cast("B")
+    if len(src) < HEADER:
+        raise Damaged(f"{len(src)} bytes: shorter than a frame header")
+    magic, version, codec, width, kind, stored_len, payload_len, total = \
+        _HEAD.unpack_from(src)
+    if magic != MAGIC or version != VERSION or codec != codec_id:
+        raise Damaged(f"not a frame of this codec (magic {magic!r}, version {version}, "
+                      f"codec {codec})")
+    if total != len(src) or HEADER + payload_len > total or stored_len != raw_len \
+            or width not in (1, 2, 4, 8) or kind not in (0, 1):
+        raise Damaged(f"fields do not add up (frame {total} of {len(src)} stored, "
+                      f"payload {payload_len}, object {stored_len} of {raw_len} expected, "
+                      f"width {width}, kind {kind})")
+    if bytes(src[_HEAD.size:HEADER]) != _checksum(src):
+        raise Damaged("checksum mismatch: the stored frame is damaged")
+    return width, kind, src[HEADER:HEADER + payload_len]
+
+
 def encode_into(raw, out, width: int, level: int = DEFAULT_LEVEL) -> int:
     """Encode the object `raw` (a bytes-like) losslessly into the writable bytes-like
     `out`, whose whole length is the frame; returns that length. Raises `DoesNotFit`
@@ -106,23 +156,12 @@ def encode_into(raw, out, width: int, level: int = DEFAULT_LEVEL) -> int:
     import zstandard
 
     src = np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8)
-    dst = memoryview(out).cast("B")
-    total = len(dst)
     payload = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(
         shuffle(src, width).tobytes())
     kind = 0
     if len(payload) >= src.size:
         payload, kind = src.tobytes(), 1
-    if HEADER + len(payload) > total:
-        raise DoesNotFit(f"{src.size} bytes encode to {len(payload)}, the frame holds "
-                         f"{total - HEADER}")
-    end = HEADER + len(payload)
-    dst[HEADER:end] = payload
-    dst[end:total] = bytes(total - end)
-    _HEAD.pack_into(dst, 0, MAGIC, VERSION, LOSSLESS, width, kind, src.size,
-                    len(payload), total)
-    dst[_HEAD.size:HEADER] = _checksum(dst)
-    return total
+    return write_frame(out, LOSSLESS, width, kind, src.size, payload)
 
 
 def encode(raw, frame_len: int, width: int, level: int = DEFAULT_LEVEL) -> bytes:
@@ -138,28 +177,16 @@ def decode_into(frame, out) -> None:
     not intact, or if it decodes to other than `len(out)` bytes."""
     import zstandard
 
-    src = memoryview(frame).cast("B")
     dst = memoryview(out).cast("B")
-    if len(src) < HEADER:
-        raise Damaged(f"{len(src)} bytes: shorter than a frame header")
-    magic, version, codec, width, kind, raw_len, payload_len, total = _HEAD.unpack_from(src)
-    if magic != MAGIC or version != VERSION or codec != LOSSLESS:
-        raise Damaged(f"not a frame of this codec (magic {magic!r}, version {version}, "
-                      f"codec {codec})")
-    if total != len(src) or HEADER + payload_len > total or raw_len != len(dst) \
-            or width not in (1, 2, 4, 8) or kind not in (0, 1) \
-            or (kind == 1 and payload_len != raw_len):
-        raise Damaged(f"fields do not add up (frame {total} of {len(src)} stored, "
-                      f"payload {payload_len}, object {raw_len} of {len(dst)} expected, "
-                      f"width {width}, kind {kind})")
-    if bytes(src[_HEAD.size:HEADER]) != _checksum(src):
-        raise Damaged("checksum mismatch: the stored frame is damaged")
+    raw_len = len(dst)
+    width, kind, payload = read_frame(frame, LOSSLESS, raw_len)
     if kind == 1:
-        dst[:] = src[HEADER:HEADER + raw_len]
+        if len(payload) != raw_len:
+            raise Damaged(f"a stored-as-is payload of {len(payload)} bytes, not {raw_len}")
+        dst[:] = payload
         return
     try:
-        planes = zstandard.ZstdDecompressor().decompress(
-            src[HEADER:HEADER + payload_len], max_output_size=raw_len)
+        planes = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_len)
     except zstandard.ZstdError as e:  # checksummed yet undecodable: written wrong
         raise Damaged(f"payload does not decode ({e})") from None
     if len(planes) != raw_len:

@@ -32,12 +32,15 @@ class StoreConfig:
     """How objects are stored in every L2 tier (`codec.MODES`, or "none")."""
     codec_frame: float = 0.9
     """Fraction of an object's size its stored frame takes (`codec.frame_size`)."""
+    codec_bits: int = 4
+    """Bits per coded KV change under `cachegen` (`cachegen.py`)."""
 
-    def adapter_specs(self, object_bytes: int = 0) -> list[dict]:
+    def adapter_specs(self, frame_bytes: int = 0) -> list[dict]:
         """Every L2 tier: the disk tier first, then `l2_adapters`; each with the
-        codec's serde unless `codec` is "none", its frames sized for objects of
-        `object_bytes` (the store's largest: LMCache 0.5.6 sizes the buffers of a batch
-        of objects, which mixes groups, by its first object's layout)."""
+        codec's serde unless `codec` is "none", every frame `frame_bytes` long (the
+        store's largest object's, `lmcache_codec.frame_bytes`: LMCache 0.5.6 sizes the
+        buffers of a batch of objects, which mixes groups, by its first object's
+        layout)."""
         specs = [dict(s) for s in self.l2_adapters]
         if self.disk_path:
             disk = {"type": "fs_native", "base_path": self.disk_path, "num_workers": 4,
@@ -48,14 +51,16 @@ class StoreConfig:
         if self.codec != "none":
             for spec in specs:
                 spec["serde"] = {"type": CODEC_SERDE, "mode": self.codec,
-                                 "frame": self.codec_frame, "object_bytes": object_bytes}
+                                 "frame": self.codec_frame, "bits": self.codec_bits,
+                                 "frame_bytes": frame_bytes}
         return specs
 
     def codec_identity(self) -> str:
         """What the key fingerprint names of the codec ("" for none, or no L2 tier)."""
         from .codec import identity
 
-        return identity(self.codec, self.codec_frame) if self.adapter_specs() else ""
+        return identity(self.codec, self.codec_frame, self.codec_bits) \
+            if self.adapter_specs() else ""
 
     @property
     def capabilities(self) -> StoreCapabilities:

@@ -88,8 +88,8 @@ class EmbeddedStore(ChunkStore):
         objects = object_layouts(layout, chunk_size, StorageLayer.aligned_bytes)
         if config.codec != "none":
             lmcache_codec.register()
-        largest = max(lmcache_codec.layout_bytes(*o) for o in objects.values())
-        self.tier = StorageLayer(config.cpu_bytes, config.adapter_specs(largest))
+        frame = lmcache_codec.frame_bytes(config, objects.values())
+        self.tier = StorageLayer(config.cpu_bytes, config.adapter_specs(frame))
         self._groups = [g.group_id for g in layout.groups]
         self._layouts, self._bytes = {}, {}
         for gid, (shapes, dtypes) in objects.items():
