@@ -6,5 +6,5 @@ from setuptools import find_packages, setup
 setup(
     packages=find_packages(include=["gemma4_kv", "gemma4_kv.*"]) + ["gemma4_kv.kernels"],
     package_dir={"gemma4_kv.kernels": "kernels"},
-    package_data={"gemma4_kv.model_shapes": ["*.json"]},
+    package_data={"gemma4_kv": ["py.typed"], "gemma4_kv.model_shapes": ["*.json"]},
 )

@@ -92,7 +92,7 @@ class LMCacheServer:
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"lmcache server did not come up (log: {log})")
+                    raise RuntimeError(f"lmcache server did not come up (log: {log})") from None
                 time.sleep(0.3)
 
     def status(self) -> dict:
@@ -258,7 +258,6 @@ def main(argv=None) -> int:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(args.tokens)]
                for _ in range(args.prompts)]
-    usage = {"call": "bench_shared_cpu:store_usage"}
     passes = [("cold", prompts), ("usage", None)] + [("warm", prompts)] * args.repeats
     a_steps, a_names = script(passes, args.probe)
     b_steps, b_names = script([("first", prompts)], args.probe)

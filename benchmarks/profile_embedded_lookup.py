@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     from gemma4_kv.keys.engine import fingerprint
     from gemma4_kv.keys.request import RequestKeyer
     from gemma4_kv.layout import plan
-    from gemma4_kv.lookup import channel, messages, service as service_mod
+    from gemma4_kv.lookup import messages, service as service_mod
     from gemma4_kv.lookup.channel import LookupClient, LookupServer
     from gemma4_kv.lookup.ranks import lookup_all_ranks
     from gemma4_kv.lookup.service import LookupService

@@ -101,7 +101,8 @@ class BlockCopy:
         self.num_layers, self.num_programs, self.chunk_tokens = len(caches), num_programs, shape[2]
         self._args = (  # keeps the offset tensors alive until the launches are queued
             _as_int(first), torch.tensor(layer_off, dtype=torch.int64).to(dev, non_blocking=True),
-            _as_int(chunks[0]), torch.tensor(chunk_off, dtype=torch.int64).to(dev, non_blocking=True),
+            _as_int(chunks[0]),
+            torch.tensor(chunk_off, dtype=torch.int64).to(dev, non_blocking=True),
             block_ids, chunk_index, slots)
         self._strides = (s_block, first.stride(1), first.stride(2), first.stride(0), piece_tokens)
         self._meta = dict(HEADS=heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,

@@ -6,5 +6,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/install_servers.sh  # valkey-server or redis-server, started by the tests themselves
 . .venv/bin/activate
+ruff check .  # lint first: seconds, and a failure names the line
 export PYTHONHASHSEED=0
 python -m pytest -q "$@"

@@ -14,7 +14,6 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
 
 from needs import require, skip_or_fail
 

@@ -8,7 +8,6 @@ The compression ratios of the data below are printed (run with -s), not asserted
 from __future__ import annotations
 
 import hashlib
-import math
 import struct
 from pathlib import Path
 

@@ -307,7 +307,7 @@ def runs(engine_pool):
     check below reads these runs."""
     state = engine_pool.result((__name__, "start"))
     engine_pool.drain()
-    r, server, layout = state.r, state.server, state.r["layout"]
+    r, server = state.r, state.server
     try:
         ref = REFERENCE.run()
         r["expected"] = {p: o for p, (o, _) in ref.items()}

@@ -23,7 +23,7 @@ from gemma4_kv.stores.base import ChunkWrite
 from lmcache_servers import Server
 from model_keys import chunk_hashes
 from paged import bits
-from test_mp_server import CHUNK, FP, LAYOUT, cells, lookup, open_store, payload, put, tokens_of
+from test_mp_server import CHUNK, LAYOUT, cells, lookup, open_store, payload, put, tokens_of
 
 TTL = 2  # seconds: the server's read-lock TTL in the first test (an int for LMCache)
 OTHER = fingerprint(LAYOUT, model="another-engine", chunk_size=CHUNK)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemma4_kv.layout.groups import AttentionKind, KVGroup, KVLayout
+from gemma4_kv.layout.groups import AttentionKind, KVGroup
 from gemma4_kv.layout.plan import ChunkBlocks
 from gemma4_kv.layout import integrity
 from gemma4_kv.transfer.staging import StagingPool

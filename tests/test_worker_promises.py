@@ -10,10 +10,9 @@ import random
 import socket
 
 import pytest
-import torch
 
 from needs import require
-from scheduler_half import CHUNK, SchedulerHalf, engine_configs
+from scheduler_half import SchedulerHalf, engine_configs
 
 require("vllm")
 pytestmark = pytest.mark.vllm

@@ -115,7 +115,7 @@ class AdapterDigests:
             if hit is not None and hit[0] == sig:
                 return hit[1]
             h = hashlib.sha256(b"gemma4-kv:adapter:1\n")
-            for rel, st in files:
+            for rel, _ in files:
                 fh = hashlib.sha256()
                 with open(os.path.join(path, rel) if rel else path, "rb") as f:
                     for block in iter(lambda: f.read(1 << 20), b""):

@@ -1,1 +1,2 @@
-"""Layout and planning: what vLLM's KV cache groups are, and which blocks a chunk or a hit covers."""
+"""Layout and planning: what vLLM's KV cache groups are, and which blocks a chunk or a hit
+covers."""

@@ -2,11 +2,12 @@
 
 Runs on the lookup server's thread (`channel.LookupServer`), answering the scheduler's
 `messages`. A lookup never waits: if a slower tier might extend the hit by enough to be
-worth it, it starts the store's prefetch and answers `pending` (the scheduler returns
-None to vLLM, which asks again next step); once the prefetch has landed and been
-verified, or its budget has passed (`wait.WaitPolicy`: at most the prefill time of the
-tokens it would add), it answers from the fast tier alone. The objects of the answered hit stay pinned, named (request, pin number), until
-the worker has loaded them (`take` / `done`) or the scheduler releases that pin.
+worth it, it starts the store's prefetch and answers `pending` (the scheduler returns None
+to vLLM, which asks again next step); once the prefetch has landed and been verified, or its
+budget has passed (`wait.WaitPolicy`: at most the prefill time of the tokens it would add),
+it answers from the fast tier alone. The objects of the answered hit stay pinned, named
+(request, pin number), until the worker has loaded them (`take` / `done`) or the scheduler
+releases that pin.
 """
 
 from __future__ import annotations

@@ -1,1 +1,2 @@
-"""Stores: one interface (`base.ChunkStore`), LMCache embedded in-process or a running `lmcache server` behind it."""
+"""Stores: one interface (`base.ChunkStore`), LMCache embedded in-process or a running
+`lmcache server` behind it."""

@@ -18,11 +18,11 @@ Each of its `P = 2 x layers` planes `[tokens, channels]` is coded on its own:
   entropy coder; stored as they are where zstd does not make them smaller).
 
 Decoding: `â = fl32(q_a * s_a)`; `x̂ = fl32(â + fl32((code - q) * s_d))` for the other
-tokens, rounded to the KV's dtype (nearest, ties to even). Bound, per element, before
-that rounding: `|x̂ - x| <= s / 2 + 2**-22 * max(|x|, |x̂|)` (s: the element's scale;
-the second term covers float32 rounding in the subtraction and the two operations). A zero scale (an all-zero group) is stored
-as 1.0 and every code is then exact. KV holding inf or NaN is not coded (the object is
-not stored in that tier).
+tokens, rounded to the KV's dtype (nearest, ties to even). Bound, per element, before that
+rounding: `|x̂ - x| <= s / 2 + 2**-22 * max(|x|, |x̂|)` (s: the element's scale; the second
+term covers float32 rounding in the subtraction and the two operations). A zero scale (an
+all-zero group) is stored as 1.0 and every code is then exact. KV holding inf or NaN is not
+coded (the object is not stored in that tier).
 
 The trailer's checksum covers the KV as written, so the object that comes back is
 sealed again: the frame stores `key64 = checksum - sum(x)` (mod 2**64) of the original

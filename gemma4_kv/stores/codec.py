@@ -28,8 +28,9 @@ Lossless (codec 1): the raw bytes' first `width * (raw // width)` bytes are spli
 sign and exponent, repeats far more than the low one), the planes concatenated, the
 `raw % width` tail bytes appended, and the whole compressed by `zstandard` (one frame,
 its content size recorded); if that is not smaller than the object, the payload is the
-object's bytes as they are (kind 1), so a frame of 1.0 holds any object. `decode` checks magic, version, lengths and the checksum
-over what is stored before it decompresses anything: a damaged frame is `Damaged`.
+object's bytes as they are (kind 1), so a frame of 1.0 holds any object. `decode` checks
+magic, version, lengths and the checksum over what is stored before it decompresses
+anything: a damaged frame is `Damaged`.
 """
 
 from __future__ import annotations

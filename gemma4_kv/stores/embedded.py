@@ -81,7 +81,8 @@ class EmbeddedStore(ChunkStore):
     """Where L1's stores and removals are reported, if anyone publishes them."""
 
     def __init__(self, layout: KVLayout, fingerprint: str, chunk_size: int,
-                 config: StoreConfig = StoreConfig(), kv_rank: int = 0, stats=None):
+                 config: StoreConfig | None = None, kv_rank: int = 0, stats=None):
+        config = StoreConfig() if config is None else config
         self.layout, self.fingerprint, self.chunk_size = layout, fingerprint, chunk_size
         self.namespace = fingerprint
         self.kv_rank, self.config, self.stats = kv_rank, config, stats

@@ -1,17 +1,17 @@
 """The embedded store's slower tiers: what a lookup asks LMCache's L2 adapters (disk,
 Redis/Valkey, ...) for, and how what comes up is verified before it may be offered.
 
-An L2 lookup is an LMCache prefetch (`start_prefetch` / `poll`), never waited for. What
-it loads is verified against its trailer as it lands (`integrity.py`), on the threads
-of a `verifier.Verifier`, never on the lookup thread; a bad object is dropped from every
-tier and never offered again by this process. Until a prefetch settles, the objects it
-may bring up are not offered at all (`_maybe_untrusted`), and those L1 held when it
-started stay read-locked, so they cannot be evicted and come up again unverified. A prefetch whose tasks have not answered within `L2_TASK_LIMIT_S` (a
-stuck NFS mount under `fs_native`, a tier that stopped answering) is given up: its locks
-go at once, and what it may still bring up is verified when first offered
-(`_unverified`); past `MAX_HUNG` of those the tier counts as down. `L2Prefetches` owns
-that state (each prefetch's own in `l2_prefetch.py`); `embedded.EmbeddedStore` holds
-one and asks it what L1 may offer.
+An L2 lookup is an LMCache prefetch (`start_prefetch` / `poll`), never waited for. What it
+loads is verified against its trailer as it lands (`integrity.py`), on the threads of a
+`verifier.Verifier`, never on the lookup thread; a bad object is dropped from every tier and
+never offered again by this process. Until a prefetch settles, the objects it may bring up
+are not offered at all (`_maybe_untrusted`), and those L1 held when it started stay
+read-locked, so they cannot be evicted and come up again unverified. A prefetch whose tasks
+have not answered within `L2_TASK_LIMIT_S` (a stuck NFS mount under `fs_native`, a tier that
+stopped answering) is given up: its locks go at once, and what it may still bring up is
+verified when first offered (`_unverified`); past `MAX_HUNG` of those the tier counts as
+down. `L2Prefetches` owns that state (each prefetch's own in `l2_prefetch.py`);
+`embedded.EmbeddedStore` holds one and asks it what L1 may offer.
 """
 
 from __future__ import annotations

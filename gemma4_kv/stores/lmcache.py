@@ -1,7 +1,8 @@
 """The one module that imports LMCache: its storage layer (the embedded store's L1 and L2
 tiers), its L2 adapter configuration parser with what 0.5.6 gets wrong about a spec
-(`check_l2_adapter`), and the client of a running `lmcache server`. Everything gemma4-kv needs of LMCache goes through the names here,
-so a new LMCache version is checked and adapted in one place (`check_version`).
+(`check_l2_adapter`), and the client of a running `lmcache server`. Everything gemma4-kv
+needs of LMCache goes through the names here, so a new LMCache version is checked and
+adapted in one place (`check_version`).
 
 Supported: LMCache 0.5.6 exactly (its storage layer's API and the engine-driven wire
 format of its server change between releases).

@@ -150,9 +150,10 @@ def main(argv=None) -> int:
     for name, ttft, cached, _ in runs:
         print(f"{name:28} {ttft:8.3f} {cached:14}")
     print(f"\ncold / warm TTFT: {runs[0][1] / runs[1][1]:.1f}x")
-    events = [json.loads(l) for l in stats.read_text().splitlines()]
+    events = [json.loads(line) for line in stats.read_text().splitlines()]
     layout = next(e for e in events if e["event"] == "layout")
-    print(f"\n{'group':5} {'kind':8} {'block':>5} {'layers':>6} {'stored MB':>10} {'loaded MB':>10}")
+    print(f"\n{'group':5} {'kind':8} {'block':>5} {'layers':>6} {'stored MB':>10} "
+          f"{'loaded MB':>10}")
     for gid, g in enumerate(layout["groups"]):
         mb = {k: sum(e["groups"].get(str(gid), {}).get("bytes", 0) for e in events
                      if e["event"] == k) / 1e6 for k in ("save", "load")}

@@ -60,7 +60,7 @@ def run(model: str | None, tokens: int, cpu_gb: float, cuda: bool, spinner) -> i
     with spinner("starting vLLM's OpenAI server with the gemma4-kv connector..."):
         server.start()
     try:
-        line = next((l for l in server.log_text().splitlines() if "gemma4-kv: rank" in l), "")
+        line = next((x for x in server.log_text().splitlines() if "gemma4-kv: rank" in x), "")
         if line:
             print("  " + line[line.index("gemma4-kv: rank"):])
         rows, same = [], True

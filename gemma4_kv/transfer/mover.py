@@ -117,14 +117,14 @@ def torch_gather(group: KVGroup, caches: Sequence[torch.Tensor],
     """Reference: copy the moved blocks of every layer into the chunk objects."""
     _check(group, caches, chunks, moves)
     hd, bs = group.head_size, group.block_size
-    for l, cache in enumerate(caches):
+    for layer, cache in enumerate(caches):
         blocks = _blocks_view(_bits(cache), bs)[moves.block_ids.to(cache.device)]
         blocks = blocks.reshape(len(moves), bs, group.num_kv_heads, 2 * hd)
         for kv in range(2):
             part = blocks[..., kv * hd:(kv + 1) * hd].reshape(len(moves), bs, -1)
             for i in range(len(moves)):
                 c, s = int(moves.chunk_index[i]), int(moves.slots[i])
-                _bits(chunks[c])[kv, l, s * bs:(s + 1) * bs] = part[i].to(chunks[c].device)
+                _bits(chunks[c])[kv, layer, s * bs:(s + 1) * bs] = part[i].to(chunks[c].device)
 
 
 def torch_scatter(group: KVGroup, caches: Sequence[torch.Tensor],
@@ -132,13 +132,13 @@ def torch_scatter(group: KVGroup, caches: Sequence[torch.Tensor],
     """Reference: copy the moved blocks of every layer back into vLLM's caches."""
     _check(group, caches, chunks, moves)
     hd, bs, heads = group.head_size, group.block_size, group.num_kv_heads
-    for l, cache in enumerate(caches):
+    for layer, cache in enumerate(caches):
         view = _blocks_view(_bits(cache), bs)  # [B, P, N, H, C]
         pieces = view.shape[1]
         for i in range(len(moves)):
             c, s, b = int(moves.chunk_index[i]), int(moves.slots[i]), int(moves.block_ids[i])
             for kv in range(2):
-                src = _bits(chunks[c])[kv, l, s * bs:(s + 1) * bs].reshape(
+                src = _bits(chunks[c])[kv, layer, s * bs:(s + 1) * bs].reshape(
                     pieces, bs // pieces, heads, hd)
                 view[b, :, :, :, kv * hd:(kv + 1) * hd] = src.to(cache.device)
 

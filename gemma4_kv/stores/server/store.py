@@ -43,7 +43,8 @@ import torch
 from ...layout.groups import AttentionKind, KVLayout
 from ...layout.plan import hit_chunks, needed_chunks
 from ...layout import integrity
-from ..base import ChunkKey, ChunkStore, ChunkWrite, Pinned, Prefetch, Reservation, StoreCapabilities
+from ..base import (ChunkKey, ChunkStore, ChunkWrite, Pinned, Prefetch, Reservation,
+                    StoreCapabilities)
 from ..config import ServerConfig
 from ..events import TIER_SERVER, TierEvents
 from .admission import Admission
