@@ -249,6 +249,7 @@ def measure(model, cfg, rows: torch.Tensor, prefix: int, settings=SETTINGS) -> d
     checks = {"exact_vs_full_forward_max_abs_logit": 0.0,
               "exact_vs_reference_max_abs_logit": 0.0}
     nll_ref, n_ref = 0.0, 0
+    shape_acc: dict = {}
     for x in rows:
         x = x.unsqueeze(0)
         pre, cont = x[:, :prefix], x[:, prefix:]
@@ -265,6 +266,7 @@ def measure(model, cfg, rows: torch.Tensor, prefix: int, settings=SETTINGS) -> d
         full = DynamicCache()  # no config: every layer keeps every prefix token
         model(input_ids=pre, past_key_values=full, use_cache=True)
         kv = {i: (full.layers[i].keys, full.layers[i].values) for i in own_layers(cfg)}
+        structure(cfg, kv, shape_acc)
         for name, dtype, bits in settings:
             if dtype == torch.float32 and bits is None:
                 use = kv  # the prefix's KV as it is, in a cache built like the others
@@ -302,7 +304,28 @@ def measure(model, cfg, rows: torch.Tensor, prefix: int, settings=SETTINGS) -> d
                        raw_over_stored=b["raw"] / b["stored"],
                        kv_rel_rms_error=math.sqrt(b["err_sq"] / b["ref_sq"]))
         out[name] = row
-    return {"reference_perplexity": base, "rows": out, "checks": checks}
+    kv_structure = {g: {"anchor_delta_over_value_rms": math.sqrt(a["anchor"] / a["value"]),
+                        "adjacent_delta_over_value_rms": math.sqrt(a["adjacent"] / a["value"])}
+                    for g, a in shape_acc.items()}
+    return {"reference_perplexity": base, "rows": out, "kv_structure": kv_structure,
+            "checks": checks}
+
+
+def structure(cfg, kv, acc: dict) -> None:
+    """How alike nearby tokens' KV is, per group (what the anchor-delta coding relies
+    on): sums of squares of x, of x minus its group's anchor (non-anchor tokens, groups
+    of ANCHOR from each chunk's start) and of x minus the previous token."""
+    tokens = kv[next(iter(kv))][0].shape[2]
+    for group, layers in groups(cfg).items():
+        a = acc.setdefault(group, {"value": 0.0, "anchor": 0.0, "adjacent": 0.0})
+        for start in range(0, tokens, CHUNK):
+            x = to_objects(kv, layers, start, min(start + CHUNK, tokens)).float()
+            rows = torch.arange(x.shape[2])
+            other = rows % cachegen.ANCHOR != 0
+            anchor = x[:, :, rows - rows % cachegen.ANCHOR]
+            a["value"] += float((x[:, :, other] ** 2).sum())
+            a["anchor"] += float(((x - anchor)[:, :, other] ** 2).sum())
+            a["adjacent"] += float(((x[:, :, 1:] - x[:, :, :-1])[:, :, other[1:]] ** 2).sum())
 
 
 def table(title: str, result: dict) -> str:
@@ -406,6 +429,8 @@ def main(argv=None) -> dict:
                 f"{training['heldout_loss']:.3f} nats/byte)", trained))
     print()
     print(table(f"random weights (held-out loss {rnd_loss:.3f} nats/byte)", random_))
+    print(f"\nnearby tokens' KV (rms of the change / rms of the value): trained "
+          f"{trained['kv_structure']}, random {random_['kv_structure']}")
     print(f"\nchecks: trained {trained['checks']}, random {random_['checks']}")
     print(f"wrote {out} ({result['wall_seconds']} s)")
     return result
