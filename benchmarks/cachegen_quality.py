@@ -38,7 +38,6 @@ import argparse
 import datetime
 import json
 import math
-import os
 import struct
 import subprocess
 import sys
