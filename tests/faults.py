@@ -171,8 +171,7 @@ def drop_l1(worker, timeout: float = 30.0) -> dict:
     an empty CPU tier."""
     store = _worker().store
     t0 = time.monotonic()
-    while True:
-        store.poll()
+    while True:  # the lookup thread settles prefetches (`ChunkStore.poll` is its alone)
         before = store.tier.status()
         if not before["read_locked_count"]:
             break
@@ -475,8 +474,7 @@ def _disarm_slow_tier(w, state, timeout: float = 60.0):
         if time.monotonic() > deadline:
             raise TimeoutError(f"faults: L2 prefetches still unsettled {timeout} s after "
                                f"the slow tier answered again: {left}")
-        time.sleep(0.05)
-        store.poll()
+        time.sleep(0.05)  # the lookup thread polls (`ChunkStore.poll` is its alone)
     _undo(w, state)
 
 
@@ -525,7 +523,6 @@ def _disarm_silent_rank(w, state):
 # the CPU tier has no room for saves (everything in it is a write reservation)
 def _arm_store_full(w, state):
     store = w.store
-    store.poll()
     _evict_unlocked(store, state)
     state["keys"] = list(_fill(store, "faults-filler", leave=state.get("leave", 0)))
     state["filled"] = len(state["keys"])

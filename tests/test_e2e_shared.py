@@ -100,10 +100,10 @@ def l2_settled(store, name: str) -> None:
     what the server holds is final until the next step, and a server killed before
     now has failed every request to it, so none reaches the one restarted after. (It
     can return early while LMCache's store thread is between taking objects off its
-    queue and locking them: `StorageLayer.l2_writes_in_flight`.)"""
+    queue and locking them: `StorageLayer.l2_writes_in_flight`.) The engine's lookup
+    thread settles the prefetches (`ChunkStore.poll` is that thread's alone)."""
     deadline = time.monotonic() + HANG_S
     while True:
-        store.poll()
         l2 = store.l2.counts()
         if not (store.l2_writes_in_flight() or store.tier.status()["read_locked_count"]
                 or l2["inflight"] or l2["hung"]):

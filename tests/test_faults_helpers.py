@@ -17,9 +17,10 @@ import faults  # noqa: E402
 
 
 class Store:
-    """What the two helpers use of the worker's store: poll, tier.status, drop_l1,
-    l2_writes_in_flight. The CPU tier holds `objects`; `locked_polls` polls later nothing
-    is read-locked (None: never); `in_flight` L2 writes never end."""
+    """What the two helpers use of the worker's store: tier.status, drop_l1,
+    l2_writes_in_flight. The CPU tier holds `objects`; `locked_polls` status reads later
+    nothing is read-locked (None: never), as the engine's lookup thread would settle
+    what held them; `in_flight` L2 writes never end."""
 
     def __init__(self, objects: int, locked_polls: int | None, in_flight: int = 0):
         self.objects, self.locked_polls, self.dropped = objects, locked_polls, 0
@@ -29,12 +30,10 @@ class Store:
     def l2_writes_in_flight(self) -> int:
         return self.in_flight
 
-    def poll(self) -> None:
-        if self.locked_polls:
-            self.locked_polls -= 1
-
     def status(self) -> dict:
         locked = 0 if self.locked_polls == 0 else 2
+        if self.locked_polls:
+            self.locked_polls -= 1
         return {"total_object_count": self.objects, "read_locked_count": locked}
 
     def drop_l1(self) -> None:
