@@ -28,9 +28,6 @@ TEST = "test_replicas_benchmark_runs_on_cpu"
 
 
 def engine_jobs(tmp_path_factory, selected):
-    if TEST not in selected:
-        return []
-
     def job():
         tmp = tmp_path_factory.mktemp("replicas")
         env = dict(os.environ)
@@ -40,7 +37,27 @@ def engine_jobs(tmp_path_factory, selected):
                           "--out", str(out)], env=env, timeout=300)
         return proc, out
 
-    return [("smoke", 40.0, job, 2)]  # 2 replicas: 2 engines at once
+    def valkey_job():
+        tmp = tmp_path_factory.mktemp("replicas-valkey")
+        env = dict(os.environ)
+        env.setdefault("VLLM_CACHE_ROOT", str(tmp / "vllm-cache"))
+        out = tmp / "out"
+        proc = run_group([sys.executable, str(BENCH), "--smoke", "--systems", "valkey",
+                          *VALKEY_ARGS, "--out", str(out)], env=env, timeout=300)
+        return proc, out
+
+    jobs = [("smoke", 40.0, job, 2)] if TEST in selected else []  # 2 engines at once
+    if VALKEY_TEST in selected:
+        jobs.append(("valkey", 30.0, valkey_job, 2))
+    return jobs
+
+
+VALKEY_TEST = "test_replicas_share_through_valkey_when_their_cpu_tier_is_tight"
+VALKEY_ARGS = ("--doc-len", "7936", "--docs", "8", "--batch", "4", "--kv-cache-gb", "0.1",
+               "--valkey-cpu-gb", "0.055")
+"""Each replica's 4 documents (31 chunks, 9.06 MB of hit each) fill 37 MB of its 59 MB
+CPU tier, and each asks for 4 of the other's at once: 36 MB more, so 3 of its own
+(each asked as often as the new ones) must go for the 4 hits to be brought up."""
 
 
 def test_replicas_benchmark_runs_on_cpu(engine_pool):
@@ -77,3 +94,25 @@ def test_replicas_benchmark_runs_on_cpu(engine_pool):
     assert runs["alone"]["rounds"][1]["store_tokens"] == 0
     # Alone, a replica's own documents come back from its own tier in round 3.
     assert runs["alone"]["rounds"][2]["store_tokens"] > 0
+
+
+def test_replicas_share_through_valkey_when_their_cpu_tier_is_tight(engine_pool):
+    """The `valkey` row (each replica's embedded store, one shared Valkey as its L2
+    tier) with CPU tiers too small for both halves (`VALKEY_ARGS`): round 2 asks each
+    replica the other's documents, 4 in flight. Every hit must come up from Valkey into
+    a full CPU tier. On e51c6e5 this row hit 24.9 %: the 4 lookups in flight were each
+    told the same free room (one landed), and in a fuller tier a tie with the replica's
+    own documents refused the room outright (0 %, as on the H200 on 2026-12-04). The
+    control that nothing else serves round 2 is the `alone` row above (0 tokens)."""
+    proc, out = engine_pool.result((__name__, "valkey"))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run, = json.loads((out / "replicas.json").read_text())["runs"]
+    assert run["done"], run.get("error")
+    cold, second = run["rounds"][0], run["rounds"][1]
+    assert cold["store_tokens"] == 0
+    # 4 documents of 7936 + 16 tokens per replica; a hit ends at the last full chunk
+    # boundary before the question (7936 - 256 = 7680, or the prompt's last multiple of
+    # 64 below it): at least 7680 of each 7952-token prompt.
+    assert second["prompt_tokens"] == 8 * 7952
+    assert second["store_tokens"] >= 8 * 7680, [r["counters"] for r in second["replicas"]]
+    assert run["tokens"] == dict(compared=8, differ=0, identical=True)

@@ -267,3 +267,24 @@ def test_room_made_for_a_lookup_is_not_given_to_the_next_one():
     s.cap.landed("look-a")
     assert s.cap.used == 2 * HIGH_UNITS
     assert not s.cap.room(HIGH_UNITS, b.key, "look-b")[0]  # full now: the same answer
+
+
+def test_with_an_l2_tier_a_tie_gives_room_to_a_document_asked_once():
+    """A tier of 2 documents holding docs 0 and 1, each asked once (saved). Doc 2, asked
+    once, needs room for 52 units. Without an L2 tier a tie keeps what is there (scan
+    resistance): no room. With one (`ties_admit`: L2 holds what L1 evicts) the least
+    recent document asked as often, doc 0, goes as a whole and doc 2 is brought up;
+    doc 1, asked twice (a hit), would not go for a document asked once."""
+    for ties_admit, room in ((False, False), (True, True)):
+        s = Store(2 * HIGH_UNITS, ties_admit=ties_admit)
+        d0, d1, d2 = (end(chain(d), CHUNKS, HIGH) for d in range(3))
+        s.save([d0])
+        s.save([d1])
+        assert s.cap.room(HIGH_UNITS, d2.key, "look")[0] is room
+        assert (d0.key in s.cap.live_ends()) is not room
+        assert d1.key in s.cap.live_ends()
+    s = Store(2 * HIGH_UNITS, ties_admit=True)
+    s.save([d0])
+    s.save([d1])
+    assert s.hit(d0) and s.hit(d1)  # both asked twice now
+    assert not s.cap.room(HIGH_UNITS, d2.key, "look")[0]

@@ -19,7 +19,10 @@ HIGH ends are ranked by W-TinyLFU (Einziger, Friedman, Manes: "TinyLFU: A Highly
 Efficient Cache Admission Policy", 2017). A new end enters a recency window
 (`window_share` of the tier); the oldest ends pushed out of it stay only by displacing
 ends of the main part (a segmented LRU) that were asked for less often. An end too large
-for the window is admitted to main only the same way. Frequencies count the requests
+for the window is admitted to main only the same way. In a store with an L2 tier
+(`ties_admit`) an end asked as often as main's least recent one displaces it: L2 still
+holds it, and a long document asked once can be brought up from L2 and served rather
+than recomputed (a tie would refuse it room). Frequencies count the requests
 that saved an end and the hits it served, halved every `sample` counts so that old
 popularity fades. A looping or scanning set larger than the tier thus keeps a stable
 subset that hits every round, where LRU keeps nothing.
@@ -81,7 +84,8 @@ class _End:
 
 class Capacity:
     def __init__(self, limit: int, *, window_share: float = 0.05,
-                 protected_share: float = 0.8, min_sample: int = 1024):
+                 protected_share: float = 0.8, min_sample: int = 1024,
+                 ties_admit: bool = False):
         self.limit = limit
         self._lock = threading.RLock()
         self._ends: dict[EndKey, _End] = {}
@@ -93,7 +97,8 @@ class Capacity:
         self._at: dict[bytes, set[EndKey]] = {}  # ends by the hash of their last chunk
         self._promised: dict[str, int] = {}  # room made for lookups in flight, by owner
         self._rank = Ranking(self._ends, lambda: self.limit, window_share=window_share,
-                             protected_share=protected_share, min_sample=min_sample)
+                             protected_share=protected_share, min_sample=min_sample,
+                             ties_admit=ties_admit)
         self.used = 0
 
     # -- what is stored ---------------------------------------------------------------
@@ -338,7 +343,8 @@ class Capacity:
         with self._lock:
             self.__init__(self.limit, window_share=self._rank.window_share,
                           protected_share=self._rank.protected_share,
-                          min_sample=self._rank.min_sample)
+                          min_sample=self._rank.min_sample,
+                          ties_admit=self._rank.ties_admit)
 
     # -- policy -----------------------------------------------------------------------
     def _alone(self, end: _End, released: dict) -> int:

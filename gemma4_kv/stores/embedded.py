@@ -97,7 +97,8 @@ class EmbeddedStore(ChunkStore):
             self._layouts[gid] = self.tier.layout(shapes, dtypes)
             self._bytes[gid] = self.tier.allocated_bytes(shapes, dtypes)
         self._total = self.tier.usage()[1]
-        self.capacity = Capacity(self._total)
+        self.capacity = Capacity(self._total,
+                                 ties_admit=config.capabilities.slow_tier)
         self._warned_untracked = False
         self.l2 = L2Prefetches(self.tier, self.capacity, layout, chunk_size,
                                layouts=self._layouts, sizes=self._bytes, key=self.key,

@@ -21,9 +21,11 @@ class Ranking:
     pins, `limit()` the tier's size."""
 
     def __init__(self, ends: dict, limit: Callable[[], int], *, window_share: float,
-                 protected_share: float, min_sample: int):
+                 protected_share: float, min_sample: int, ties_admit: bool = False):
         self._ends, self._limit = ends, limit
         self.window_share, self.protected_share = window_share, protected_share
+        self.ties_admit = ties_admit
+        """Whether a new end may displace main ends asked as often as itself (`victims`)."""
         self.min_sample = min_sample
         self._segments: dict[str, OrderedDict] = {s: OrderedDict() for s in SEGMENTS}
         self.where: dict = {}
@@ -105,7 +107,13 @@ class Ranking:
         displacing the least recent main end asked for less often than itself, or
         evicted if there is none. Beyond that (or for an end too large for the window),
         main ends asked for less often than the new end go, least recent first,
-        probation before protected. Pinned ends are never taken."""
+        probation before protected. Pinned ends are never taken.
+
+        With `ties_admit` (a store with an L2 tier, which holds what L1 evicts) main ends
+        asked exactly as often as the new end may go too: a document asked once is then
+        brought up from L2 and served rather than refused on a tie with documents also
+        asked once (which L2 still holds), while ends asked more often stay. Without an
+        L2 tier an evicted end is lost, and a tie keeps what is there (scan resistance)."""
         taken: list = []
         out = set()
         freed, released = 0, {}
@@ -145,7 +153,7 @@ class Ranking:
                 if not w.pins:
                     take(main_victim(self.frequency(key)) or w)
         while freed < short:
-            end = main_victim(freq)
+            end = main_victim(freq + 1 if self.ties_admit else freq)
             if end is None:
                 return None
             take(end)
