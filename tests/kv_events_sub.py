@@ -31,22 +31,35 @@ def router_hashes(tokens, block_size: int, seed: str = "0") -> list[int]:
 
 
 class Subscriber:
-    """Collects every event published on `endpoint` from `start()` to `stop()`; writes
-    `flag` once `until(event)` holds for one of them."""
+    """Collects every event published on `endpoint` from `start()` to `stop()`, in
+    sequence order; writes `flag` once `until(event)` holds for one of them.
 
-    def __init__(self, endpoint: str, flag: str, until):
-        self.endpoint, self.flag, self.until = endpoint, flag, until
-        self.events: list = []
-        self.batches = 0
+    A ZMQ SUB socket misses what is published before its subscription reaches the
+    publisher (ZMQ's "slow joiner"; seen on a loaded CI machine, where the first
+    document's events were lost). A router recovers them as vLLM's publisher offers:
+    when the first batch it sees is not sequence 0, or a sequence number is skipped, it
+    asks the publisher's `replay` endpoint (a ROUTER; vLLM's `KVEventsConfig.
+    replay_endpoint`) for every batch from the first one missing."""
+
+    REPLAY_TIMEOUT_MS = 30_000
+
+    def __init__(self, endpoint: str, flag: str, until, replay: str | None = None):
+        self.endpoint, self.flag, self.until, self.replay = endpoint, flag, until, replay
+        self.batches: dict[int, list] = {}  # sequence number -> the batch's events
+        self.replayed = 0  # batches recovered through the replay endpoint
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @property
+    def events(self) -> list:
+        return [e for seq in sorted(self.batches) for e in self.batches[seq]]
 
     def start(self) -> "Subscriber":
         import zmq
 
         self._sock = zmq.Context.instance().socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sock.connect(self.endpoint)  # before the engine binds: nothing is missed
+        self._sock.connect(self.endpoint)
         self._thread.start()
         return self
 
@@ -61,13 +74,36 @@ class Subscriber:
         while not self._stop.is_set():
             if not poller.poll(200):
                 continue
-            _topic, _seq, payload = self._sock.recv_multipart()
-            batch = decode(payload)
-            self.batches += 1
-            for e in batch.events:
-                self.events.append(e)
-                if self.until(e) and not os.path.exists(self.flag):
-                    open(self.flag, "w").close()
+            _topic, seq_bytes, payload = self._sock.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big")
+            missing = [s for s in range(seq) if s not in self.batches]
+            if missing and self.replay:
+                self._replay_from(missing[0], decode)
+            self._add(seq, decode(payload).events)
+
+    def _replay_from(self, start: int, decode) -> None:
+        import zmq
+
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVTIMEO, self.REPLAY_TIMEOUT_MS)
+        sock.connect(self.replay)
+        try:
+            sock.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                _empty, _topic, seq_bytes, payload = sock.recv_multipart()
+                if seq_bytes == (-1).to_bytes(8, "big", signed=True):
+                    return
+                seq = int.from_bytes(seq_bytes, "big")
+                if seq not in self.batches:
+                    self.replayed += 1
+                    self._add(seq, decode(payload).events)
+        finally:
+            sock.close(linger=0)
+
+    def _add(self, seq: int, events: list) -> None:
+        self.batches[seq] = list(events)
+        if any(self.until(e) for e in events) and not os.path.exists(self.flag):
+            open(self.flag, "w").close()
 
     def stop(self) -> list:
         self._stop.set()

@@ -202,7 +202,11 @@ def _server_run(tmp_path):
                          [{"prompts": [{"tokens": p, "salt": f"ref{i}"} for i, p in
                                        enumerate(sent)]}],
                 "extra_config": {"lmcache_server": server.url,
-                                 "retention_interval": RETENTION},
+                                 "retention_interval": RETENTION,
+                                 # hits by hand, on a busy machine too (tests/patient.py)
+                                 "lookup_timeout_s": 30.0,
+                                 "lmcache_server_timeout_s": 10.0},
+                "preload": ["patient"],
                 "speculative_config": {"method": "eagle3", "model": draft,
                                        "num_speculative_tokens": SPEC_TOKENS}}
         out, _ = run_harness(tmp_path, "server", spec, env=PLATFORMS["cpu"]["env"])

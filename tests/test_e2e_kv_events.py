@@ -42,7 +42,8 @@ def _engine(tmp, name: str, prefix_caching: bool) -> dict:
     return {"dtype": "float32", "block_size": BLOCK, "enable_prefix_caching": prefix_caching,
             "prefix_caching_hash_algo": "sha256_cbor",
             "kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq",
-                                 "endpoint": f"ipc://{tmp}/{name}.events"}}
+                                 "endpoint": f"ipc://{tmp}/{name}.events",
+                                 "replay_endpoint": f"ipc://{tmp}/{name}.replay"}}
 
 
 def _starts_with(tokens):
@@ -57,7 +58,8 @@ def _job(tmp, model, name: str, *, connector: bool):
     from kv_events_sub import Subscriber
 
     flag = str(tmp / f"{name}.seen")
-    sub = Subscriber(f"ipc://{tmp}/{name}.events", flag, _starts_with(B)).start()
+    sub = Subscriber(f"ipc://{tmp}/{name}.events", flag, _starts_with(B),
+                     replay=f"ipc://{tmp}/{name}.replay").start()
     steps = [{"prompts": [A, B, B]},
              {"call": "kv_events_sub:wait_for_file", "kwargs": {"path": flag}}]
     try:
