@@ -59,12 +59,7 @@ MODEL_SHAPES = ["gemma4-e4b-like", "gemma4-31b-like"]
 """KV-shared layers (e4b) and K = V full layers with their own KV head count (31b)."""
 
 
-@pytest.fixture(scope="module")
-def vllm_model_layers(tmp_path_factory):
-    """{shape: {layer: ...}} as vLLM's own Gemma 4 model registers them
-    (tests/vllm_model_layers.py, a process of its own)."""
-    require("vllm")
-    tmp = tmp_path_factory.mktemp("vllm-model")
+def _vllm_model_layers(tmp) -> dict:
     dirs = {}
     for shape in MODEL_SHAPES:
         cfg = load_text_config(bundled_config(shape))
@@ -79,6 +74,23 @@ def vllm_model_layers(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-6000:]
     out = json.loads(proc.stdout)
     return {shape: out[d] for shape, d in dirs.items()}
+
+
+def engine_jobs(tmp_path_factory, selected):
+    """vLLM's model, built in a process of its own (tests/vllm_model_layers.py), beside
+    the engines of other modules (tests/conftest.py `engine_pool`): it computes no KV
+    and meets no timeout, and alone it held the run up for ~45 s."""
+    if "test_layer_specs_match_vllms_gemma4_model" not in selected:
+        return []
+    return [("layers", 30.0,
+             lambda: _vllm_model_layers(tmp_path_factory.mktemp("vllm-model")))]
+
+
+@pytest.fixture(scope="module")
+def vllm_model_layers(engine_pool):
+    """{shape: {layer: ...}} as vLLM's own Gemma 4 model registers them."""
+    require("vllm")
+    return engine_pool.result((__name__, "layers"))
 
 
 @pytest.mark.parametrize("shape", MODEL_SHAPES)
