@@ -83,6 +83,7 @@ class Subscriber:
 
     def _replay_from(self, start: int, decode) -> None:
         import zmq
+        from vllm.distributed.kv_events import ZmqEventPublisher
 
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.RCVTIMEO, self.REPLAY_TIMEOUT_MS)
@@ -91,7 +92,7 @@ class Subscriber:
             sock.send_multipart((b"", start.to_bytes(8, "big")))
             while True:
                 _empty, _topic, seq_bytes, payload = sock.recv_multipart()
-                if seq_bytes == (-1).to_bytes(8, "big", signed=True):
+                if seq_bytes == ZmqEventPublisher.END_SEQ:
                     return
                 seq = int.from_bytes(seq_bytes, "big")
                 if seq not in self.batches:
