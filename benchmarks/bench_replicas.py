@@ -2,7 +2,7 @@
 caches, each with its own KV tier or sharing one (issue 33, item 1).
 
     python benchmarks/bench_replicas.py --out DIR [--shapes gemma4-12b-like,gemma4-31b-like]
-        [--systems alone,server,valkey,servers+valkey,offloading-fs] [--replicas 2]
+        [--systems alone,server,valkey,resp,servers+valkey,offloading-fs] [--replicas 2]
         [--repeats K] [--docs 16] [--batch 4]
     python benchmarks/bench_replicas.py --smoke --out DIR [--systems alone,server]
     python benchmarks/bench_replicas.py --plot-only OUT.png DIR/replicas.json
@@ -30,7 +30,10 @@ Systems (a fresh set of servers, tiers and replicas for each run):
   negative control: round 2 has no hits);
 - `server`: one `lmcache server` (L1 `--server-l1-gb`) that every replica uses;
 - `valkey`: each replica the embedded store at its default CPU tier (`cpu_gb` 4, scaled:
-  see below) with one shared Valkey server as its L2 tier (`l2_adapters`);
+  see below) with one shared Valkey server as its L2 tier (`l2_adapters`), through
+  LMCache's `valkey` adapter (the glide client);
+- `resp`: the same through a `resp` adapter (LMCache's C++ client under gemma4-kv's
+  `RespClient`: it receives straight into L1);
 - `servers+valkey`: one `lmcache server` per "host" (two servers on one machine stand for
   two hosts; L1 `--server-l1-gb` / N each), each replica on its own, the servers sharing
   one Valkey as their L2 (`server_argv(..., l2_adapters=[...])`);
@@ -88,8 +91,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # lmcache_servers, tier_servers (as ben
 
 import bench_serving  # noqa: E402
 
-SYSTEMS = ("alone", "server", "valkey", "servers+valkey", "offloading-fs", "none")
-DEFAULT_SYSTEMS = "alone,server,valkey,servers+valkey,offloading-fs"
+SYSTEMS = ("alone", "server", "valkey", "resp", "servers+valkey", "offloading-fs", "none")
+DEFAULT_SYSTEMS = "alone,server,valkey,resp,servers+valkey,offloading-fs"
 GiB = 1 << 30
 ROUNDS = ("own (cold)", "other's", "own again")
 
@@ -510,6 +513,10 @@ def valkey_spec(server) -> str:
                        "request_timeout": 10.0, "connection_timeout": 2.0})
 
 
+def resp_spec(server) -> dict:
+    return {"type": "resp", "host": "127.0.0.1", "port": server.port}
+
+
 def run_system(args, shape: str, sizes: dict, system: str, repeat: int, logs: Path,
                env: dict) -> dict:
     """One run: fresh servers and tiers, N replicas started together, three rounds."""
@@ -522,7 +529,7 @@ def run_system(args, shape: str, sizes: dict, system: str, repeat: int, logs: Pa
     servers, replicas = [], []
     n = args.replicas
     try:
-        if system in ("valkey", "servers+valkey"):
+        if system in ("valkey", "resp", "servers+valkey"):
             vk = TierServer(workdir=work / "valkey", args=(
                 "--maxmemory", f"{max(1, round(sizes['valkey_gb'] * 1024))}mb",
                 "--maxmemory-policy", "allkeys-lru"))
@@ -540,9 +547,9 @@ def run_system(args, shape: str, sizes: dict, system: str, repeat: int, logs: Pa
                                           log_dir=str(logs),
                                           l2_adapters=[json.loads(valkey_spec(vk))]))
             conns = [{"lmcache_server": h.url} for h in servers[1:]]
-        elif system == "valkey":
-            conns = [{"cpu_gb": sizes["valkey_cpu_gb"],
-                      "l2_adapters": [json.loads(valkey_spec(vk))]}] * n
+        elif system in ("valkey", "resp"):
+            spec = json.loads(valkey_spec(vk)) if system == "valkey" else resp_spec(vk)
+            conns = [{"cpu_gb": sizes["valkey_cpu_gb"], "l2_adapters": [spec]}] * n
         elif system == "alone":
             conns = [{"cpu_gb": sizes["cpu_gb"]}] * n
         elif system == "offloading-fs":

@@ -494,6 +494,11 @@ def plan(args, servers: list[Server]):
                 main, spec={"type": "resp", "host": main.tier.host, "port": main.tier.port,
                             "num_workers": args.base_clients}, objects=uniform, chunks=u_chunks,
                 label=f"resp (C++ client), num_workers {args.base_clients}, 40 MiB objects only")))
+            pts.append(("resp mixed", lambda: adapter_point(
+                main, spec={"type": "resp", "host": main.tier.host, "port": main.tier.port,
+                            "num_workers": args.base_clients}, objects=mixed, chunks=chunks,
+                label=f"resp (C++ client), num_workers {args.base_clients}, 31B objects "
+                "(40 + 20 MiB)")))
     return pts
 
 

@@ -42,7 +42,7 @@ def engine_jobs(tmp_path_factory, selected):
         env = dict(os.environ)
         env.setdefault("VLLM_CACHE_ROOT", str(tmp / "vllm-cache"))
         out = tmp / "out"
-        proc = run_group([sys.executable, str(BENCH), "--smoke", "--systems", "valkey",
+        proc = run_group([sys.executable, str(BENCH), "--smoke", "--systems", "resp",
                           *VALKEY_ARGS, "--out", str(out)], env=env, timeout=300)
         return proc, out
 
@@ -52,7 +52,7 @@ def engine_jobs(tmp_path_factory, selected):
     return jobs
 
 
-VALKEY_TEST = "test_replicas_share_through_valkey_when_their_cpu_tier_is_tight"
+VALKEY_TEST = "test_replicas_share_through_resp_when_their_cpu_tier_is_tight"
 VALKEY_ARGS = ("--doc-len", "7936", "--docs", "8", "--batch", "4", "--kv-cache-gb", "0.1",
                "--valkey-cpu-gb", "0.055")
 """Each replica's 4 documents (31 chunks, 9.06 MB of hit each) fill 37 MB of its 59 MB
@@ -96,14 +96,17 @@ def test_replicas_benchmark_runs_on_cpu(engine_pool):
     assert runs["alone"]["rounds"][2]["store_tokens"] > 0
 
 
-def test_replicas_share_through_valkey_when_their_cpu_tier_is_tight(engine_pool):
-    """The `valkey` row (each replica's embedded store, one shared Valkey as its L2
-    tier) with CPU tiers too small for both halves (`VALKEY_ARGS`): round 2 asks each
-    replica the other's documents, 4 in flight. Every hit must come up from Valkey into
-    a full CPU tier. On e51c6e5 this row hit 24.9 %: the 4 lookups in flight were each
-    told the same free room (one landed), and in a fuller tier a tie with the replica's
-    own documents refused the room outright (0 %, as on the H200 on 2026-12-04). The
-    control that nothing else serves round 2 is the `alone` row above (0 tokens)."""
+def test_replicas_share_through_resp_when_their_cpu_tier_is_tight(engine_pool):
+    """The `resp` row (each replica's embedded store, one shared Valkey as its L2 tier
+    through the `resp` adapter: LMCache's C++ client under gemma4-kv's RespClient; the
+    `valkey` adapter's row differs only in the client, and test_e2e_hosts runs it
+    through vLLM) with CPU tiers too small for both halves (`VALKEY_ARGS`): round 2 asks
+    each replica the other's documents, 4 in flight. Every hit must come up from Valkey
+    into a full CPU tier, its objects of two sizes in one batch. On e51c6e5 the `valkey`
+    row hit 24.9 %: the 4 lookups in flight were each told the same free room (one
+    landed), and in a fuller tier a tie with the replica's own documents refused the
+    room outright (0 %, as on the H200 on 2026-12-04). The control that nothing else
+    serves round 2 is the `alone` row above (0 tokens)."""
     proc, out = engine_pool.result((__name__, "valkey"))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     run, = json.loads((out / "replicas.json").read_text())["runs"]

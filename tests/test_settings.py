@@ -203,24 +203,23 @@ def test_l2_adapter_list_of_strings():
 def test_l2_adapter_unknown_type_lists_what_lmcache_knows():
     msg = adapter_error({"type": "redis", "host": "h", "port": 1})
     assert 'type LMCache does not know: "redis"' in msg and 'did you mean "valkey"?' in msg
-    assert '"resp"' not in msg  # refused, so never suggested
+    assert "gemma4_kv_resp" not in msg  # how `resp` is built here: not a type to write
     assert "fs_native" in msg and "valkey" in msg
     assert 'needs a "type" string' in adapter_error({"host": "h"})
     assert 'needs a "type" string' in adapter_error({"type": ["resp"]})
 
 
-def test_resp_adapter_is_refused_with_the_reason_and_valkey_as_the_fix():
-    msg = adapter_error({"type": "resp", "host": "redis.local", "port": 6379,
-                         "password": "hunter2"}, 1)
-    assert msg.startswith('gemma4-kv: kv_connector_extra_config["l2_adapters"][1] (type '
-                          '"resp") is not supported: '), msg
-    assert ("LMCache 0.5.6's resp adapter never reconnects after a server restart and keeps "
-            "only one group of each chunk for models whose groups differ in object size") in msg
-    assert 'fix: use valkey: {"type": "valkey", "startup_nodes": "redis.local:6379", ' in msg
-    assert '"password": ...' in msg and "hunter2" not in msg
-    # Refused before LMCache's parser is asked: the reason comes first, whatever the fields.
-    assert "is not supported" in adapter_error({"type": "resp", "port": "x"})
-    assert '"startup_nodes": "HOST:PORT"' in adapter_error({"type": "resp"})
+def test_resp_adapter_is_checked_by_lmcaches_parser_and_its_request_timeout():
+    """`resp` is built over gemma4-kv's RespClient (tests/test_resp_client.py): LMCache's
+    own fields are checked by LMCache's parser, `request_timeout` by ours."""
+    ok = {"type": "resp", "host": "redis.local", "port": 6379, "num_workers": 4,
+          "request_timeout": 2.5}
+    assert parse({"l2_adapters": [ok]}).l2_adapters == (ok,)
+    msg = adapter_error({"type": "resp", "port": 6379}, 1)
+    assert 'is rejected by LMCache: host must be a non-empty string' in msg, msg
+    msg = adapter_error({**ok, "request_timeout": 0})
+    assert "request_timeout must be a number of seconds in (0, 3600]" in msg, msg
+    assert "request_timeout (float)" in msg  # the fields' help names ours too
 
 
 @pytest.mark.parametrize("serde", ["fp8", "turboquant"])
@@ -339,7 +338,14 @@ def test_reachable_tiers_pass(listening, closed_port):
         MOCK, {"type": "valkey", "startup_nodes": f"127.0.0.1:{listening}"},
         # a cluster needs one reachable seed
         {"type": "valkey", "cluster_mode": True,
-         "startup_nodes": f"127.0.0.1:{closed_port},127.0.0.1:{listening}"}]}))
+         "startup_nodes": f"127.0.0.1:{closed_port},127.0.0.1:{listening}"},
+        {"type": "resp", "host": "127.0.0.1", "port": listening}]}))
+
+
+def test_unreachable_resp_tier_names_the_adapter(closed_port):
+    s = parse({"l2_adapters": [{"type": "resp", "host": "127.0.0.1", "port": closed_port}]})
+    with pytest.raises(SettingsError, match=r'\[0\] \(type "resp"\) cannot be reached'):
+        check_tiers_reachable(s, timeout_s=1.0)
 
 
 def test_unreachable_tier_names_the_adapter(listening, closed_port):

@@ -65,7 +65,8 @@ class ConnectorSettings:
         "eviction; 0 = unbounded; needs `disk_path`", number(at_least=0), shown="0")
     l2_adapters: tuple = _key(
         (), "more LMCache tiers, a list of `lmcache server --l2-adapter` JSON objects: "
-        "`valkey` (a Redis or Valkey server shared by engines; `resp` is refused), `fs_native` "
+        "`resp` or `valkey` (a Redis or Valkey server shared by engines; `resp` is LMCache's "
+        "C++ client, reconnected and split by value size by gemma4-kv), `fs_native` "
         "on a shared mount with `\"shared\": true`, `p2p`, ...; each checked by LMCache's "
         "parser, network tiers by a connect at start-up; the `fp8` and `turboquant` `serde` "
         "are refused (they store nothing of ours)",

@@ -63,18 +63,83 @@ def set_log_level(level: str) -> None:
 
 # -- L2 adapter configuration (what `lmcache server --l2-adapter JSON` accepts) -----------
 
+RESP_TYPE = "gemma4_kv_resp"
+"""The adapter type a `"type": "resp"` spec is built as in this process: LMCache's
+`NativeConnectorL2Adapter` over `resp_client.RespClient`, which wraps LMCache's C++
+client (`lmcache_redis`) and survives what it does not (see that module)."""
+
+
 def _l2():
     from lmcache.v1.distributed.l2_adapters import config
 
+    _register_resp(config)
     return config
+
+
+@functools.cache
+def _register_resp(config) -> None:
+    from lmcache.v1.distributed.l2_adapters.factory import register_l2_adapter_factory
+    from lmcache.v1.distributed.l2_adapters.resp_l2_adapter import RESPL2AdapterConfig
+
+    class RespConfig(RESPL2AdapterConfig):
+        """LMCache's `resp` fields, and `request_timeout` (seconds a batch may take,
+        plus 10 s per GB it moves, before its connection is retired: a miss)."""
+
+        request_timeout: float = 5.0
+
+        @classmethod
+        def from_dict(cls, d: dict) -> RespConfig:
+            base = RESPL2AdapterConfig.from_dict(d)
+            t = d.get("request_timeout", 5.0)
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
+                raise ValueError("request_timeout must be a number of seconds in (0, 3600]")
+            cfg = cls(base.host, base.port, base.num_workers, base.username, base.password,
+                      base.max_capacity_gb)
+            cfg.request_timeout = float(t)
+            return cfg
+
+        @classmethod
+        def help(cls) -> str:
+            return (RESPL2AdapterConfig.help() + "\n- request_timeout (float): seconds a "
+                    "batch may take, plus 10 s per GB it moves (default 5)")
+
+    if RESP_TYPE not in config.get_registered_l2_adapter_types():
+        config.register_l2_adapter_type(RESP_TYPE, RespConfig)
+        register_l2_adapter_factory(RESP_TYPE, _create_resp_adapter)
+
+
+def _create_resp_adapter(config, l1_memory_desc=None):
+    """LMCache's factory signature: the adapter of one `resp` spec."""
+    from lmcache.lmcache_redis import LMCacheRedisClient
+    from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (
+        NativeConnectorL2Adapter)
+
+    from .resp_client import RespClient
+
+    # As LMCache's own resp factory: the spec first, its environment variables after.
+    host = config.host or os.environ.get("LMCACHE_RESP_HOST", "")
+    port = config.port or int(os.environ.get("LMCACHE_RESP_PORT", "0"))
+    user = config.username or os.environ.get("LMCACHE_RESP_USERNAME", "")
+    password = config.password or os.environ.get("LMCACHE_RESP_PASSWORD", "")
+    client = RespClient(
+        lambda: LMCacheRedisClient(host, port, config.num_workers, user, password),
+        request_timeout_s=config.request_timeout, name=f"resp {host}:{port}")
+    return NativeConnectorL2Adapter(client, max_capacity_gb=config.max_capacity_gb,
+                                    type_name="resp")
+
+
+def _built_as(spec: dict) -> dict:
+    return {**spec, "type": RESP_TYPE} if spec.get("type") == "resp" else spec
 
 
 def parse_l2_adapters(specs: Sequence[dict]):
     """LMCache's parsed configuration of these adapter specs, through the same argument
-    parser as `lmcache server --l2-adapter JSON` (raises what LMCache raises)."""
+    parser as `lmcache server --l2-adapter JSON` (raises what LMCache raises); a `resp`
+    spec is built as `RESP_TYPE`."""
     l2 = _l2()
     parser = l2.add_l2_adapters_args(argparse.ArgumentParser(add_help=False))
-    args = parser.parse_args([a for s in specs for a in ("--l2-adapter", json.dumps(s))])
+    args = parser.parse_args([a for s in specs
+                              for a in ("--l2-adapter", json.dumps(_built_as(s)))])
     return l2.parse_args_to_l2_adapters_config(args)
 
 
@@ -85,6 +150,8 @@ def l2_adapter_types() -> list[str]:
 def l2_adapter_class(type_name: str):
     """LMCache's config class of an adapter type (ImportError / ValueError if none)."""
     l2 = _l2()
+    if type_name == "resp":
+        type_name = RESP_TYPE
     # LMCache's loader imports every adapter module before this one until the name
     # registers; importing `<type>_l2_adapter` first (its naming rule) saves seconds.
     module = f"{l2.__name__.rsplit('.', 1)[0]}.{type_name.replace('-', '_')}_l2_adapter"
@@ -102,9 +169,6 @@ class L2AdapterRejected(ValueError):
         self.problem, self.fix = problem, fix
 
 
-_RESP_REFUSED = (
-    "LMCache 0.5.6's resp adapter never reconnects after a server restart and keeps only "
-    "one group of each chunk for models whose groups differ in object size")
 _ONE_TENSOR_SERDES = ("fp8", "turboquant")
 """LMCache 0.5.6 serdes whose serializer reads an object as one tensor: on our objects
 (KV and checksum trailer) it raises, so every store into that tier fails."""
@@ -120,9 +184,6 @@ def check_l2_adapter(spec: dict) -> None:
     if not isinstance(type_name, str) or not type_name:
         raise L2AdapterRejected('needs a "type" string (the LMCache adapter type)',
                                 'add "type": "valkey" (or "fs_native", "p2p", ...)')
-    if type_name == "resp":
-        raise L2AdapterRejected(f'(type "resp") is not supported: {_RESP_REFUSED}',
-                                _valkey_for(spec))
     serde = spec.get("serde")
     serde_type = serde.get("type") if isinstance(serde, dict) else None
     if serde_type in _ONE_TENSOR_SERDES:
@@ -167,7 +228,10 @@ def l2_adapter_endpoints(spec: dict) -> tuple[list[tuple[str, int]], bool]:
     them, and whether one reachable pair is enough (a Valkey cluster finds the rest from
     any seed); ([], True) for a tier that is not on the network."""
     kind = spec.get("type")
-    if kind != "valkey":  # `resp` is refused by `check_l2_adapter`
+    if kind == "resp":
+        cfg = _parsed(spec, kind)
+        return [(cfg.host, cfg.port)], False
+    if kind != "valkey":
         return [], True
     cfg = _parsed(spec, kind)
     if cfg.cluster_mode:
@@ -204,7 +268,7 @@ def _adapter_class(type_name: str):
             f"{e.name or 'the missing package'}) or remove this adapter") from None
     except ValueError:
         pass
-    known = [t for t in l2_adapter_types() if t != "resp"]
+    known = [t for t in l2_adapter_types() if t != RESP_TYPE]
     close = ["valkey"] if type_name.lower() == "redis" else \
         difflib.get_close_matches(type_name, known, n=2, cutoff=0.6)
     hint = f'did you mean "{close[0]}"? ' if close else ""
@@ -229,16 +293,6 @@ def _json(v) -> str:
         return json.dumps(v)
     except (TypeError, ValueError):
         return repr(v)
-
-
-def _valkey_for(resp: dict) -> str:
-    """The fix for a refused `resp` spec: the same server through the `valkey` adapter."""
-    host, port = resp.get("host"), resp.get("port")
-    node = f"{host}:{port}" if isinstance(host, str) and host and isinstance(port, int) \
-        else "HOST:PORT"
-    auth = "".join(f', "{k}": ...' for k in ("username", "password") if resp.get(k))
-    return (f'use valkey: {{"type": "valkey", "startup_nodes": "{node}", "request_timeout": '
-            f'0.5, "connection_timeout": 1.0{auth}}} (the same Redis or Valkey server)')
 
 
 def register_serde(name: str, make) -> None:
