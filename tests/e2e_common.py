@@ -126,7 +126,8 @@ def start_engine(tmp_path, name, model, *, connector, engine, extra=None, spec_c
             "kv_role": role,
             "engine": {"enforce_eager": True, "max_model_len": 4096, **engine},
             "extra_config": {"cpu_gb": 0.25, "stats_file": str(stats),
-                             "retention_interval": RETENTION, **(extra or {})},
+                             "retention_interval": RETENTION,
+                             "intermediate_ends": "always", **(extra or {})},
             "speculative_config": spec_cfg, "preload": list(preload)}
     if steps is not None:
         spec["steps"] = steps

@@ -71,7 +71,10 @@ class SchedulerHalf:
         from gemma4_kv.lookup.sockets import socket_address
         from gemma4_kv.stores.factory import open_store
 
-        extra = {"cpu_gb": 0.25, "retention_interval": RETENTION, **(extra or {})}
+        # Every intermediate end kept (the tests here derive their hits with them);
+        # tests/test_branches.py plays the default.
+        extra = {"cpu_gb": 0.25, "retention_interval": RETENTION,
+                 "intermediate_ends": "always", **(extra or {})}
         vc, self.kv_cache_config = engine_configs(model_dir, extra, ranks, kv_mib,
                                                   **(engine or {}))
         self.vllm_config = vc

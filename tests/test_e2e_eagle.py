@@ -87,7 +87,8 @@ def _run(tmp_path, name, model, draft, steps, *, connector, platform):
             "engine": {**COMMON, **platform["engine"]}, "preload": platform["preload"],
             "steps": [{"call": "kv_probe:sharpen_draft"}, *steps],
             "extra_config": {"cpu_gb": 0.5, "stats_file": str(stats),
-                             "retention_interval": RETENTION, "save_decode_tokens": True},
+                             "retention_interval": RETENTION, "intermediate_ends": "always",
+                             "save_decode_tokens": True},
             "speculative_config": {"method": "eagle3", "model": draft,
                                    "num_speculative_tokens": SPEC_TOKENS}}
     out, _ = run_harness(tmp_path, name, spec, env=platform["env"])
@@ -203,6 +204,7 @@ def _server_run(tmp_path):
                                        enumerate(sent)]}],
                 "extra_config": {"lmcache_server": server.url,
                                  "retention_interval": RETENTION,
+                                 "intermediate_ends": "always",
                                  # hits by hand, on a busy machine too (tests/patient.py)
                                  "lookup_timeout_s": 30.0,
                                  "lmcache_server_timeout_s": 10.0},

@@ -86,7 +86,8 @@ def start(tmp_path, name, model, steps, *, connector, extra=None, connector_clas
     clean = [{k: v for k, v in s.items() if k != "names"} for s in steps]
     spec = {"model": model, "connector": connector, "max_tokens": MAX_TOKENS,
             "engine": ENGINE, "steps": clean,
-            "extra_config": {"cpu_gb": 0.25, "retention_interval": RETENTION, **(extra or {})}}
+            "extra_config": {"cpu_gb": 0.25, "retention_interval": RETENTION,
+                             "intermediate_ends": "always", **(extra or {})}}
     if connector_class:
         spec.update(connector_class=connector_class, connector_module="faults")
     sched_log = tmp_path / f"{name}.scheduler.jsonl"

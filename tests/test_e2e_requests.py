@@ -115,7 +115,8 @@ def engine_jobs(tmp_path_factory, selected):
     cfg = tiny_gemma4_config(window=100)
     model = save_config(cfg, tmp / "model")
     loras = {"A": write_adapter(tmp / "lora-A", 1, cfg), "B": write_adapter(tmp / "lora-B", 2, cfg)}
-    extra = {"retention_interval": RETENTION, "disk_path": str(tmp / "disk")}
+    extra = {"retention_interval": RETENTION, "intermediate_ends": "always",
+             "disk_path": str(tmp / "disk")}
     return [("base", 80.0, lambda: run_steps(tmp, "base", model, STEPS, connector=False,
                                              engine=ENGINE, loras=loras, env=ENV)),
             ("conn", 80.0, lambda: run_steps(tmp, "conn", model, STEPS, connector=True,

@@ -106,8 +106,13 @@ class ConnectorSettings:
         "is longer), never longer than the measured prefill time of what it would add",
         number(above=0), shown="2")
     retention_interval: int = _key(
-        4096, "tokens between stored sliding-window chunks (a multiple of `chunk_size`); "
-        "0 = store sliding-window chunks for every chunk", integer(0))
+        4096, "tokens between the intermediate hit ends whose sliding-window chunks may be "
+        "stored (a multiple of `chunk_size`); 0 = every chunk end", integer(0))
+    intermediate_ends: str = _key(
+        "branched", "which intermediate ends (`retention_interval`) get their sliding-window "
+        "chunks stored: `branched` once a second prompt shares the prefix up to there and "
+        "then goes on differently (a third one hits), `always` for every prompt", choice(
+            ("branched", "always")))
     staging_mb: int = _key(
         2048, "MiB of GPU memory for staged saves, allocated once per rank outside vLLM's "
         "memory budget (>= 16); saves beyond it write pinned memory directly (slower)",

@@ -10,6 +10,7 @@ from ..keys.request import RequestKeys
 from ..layout.drafts import DraftPolicy
 from ..layout.groups import KVLayout
 from ..layout.plan import Retention, retention
+from .branches import BranchMemory
 from ..stores.base import HIGH, LOW, ChunkWrite
 
 
@@ -69,15 +70,23 @@ class RequestState:
         return done
 
     def write(self, req_id: str, done: int, layout: KVLayout, interval: int,
-              name_low: bool) -> ChunkWrite:
+              name_low: bool, branches: BranchMemory | None = None) -> ChunkWrite:
         """The save of chunks [`next_chunk`, `done`), which it then counts as stored: the
         groups the retention keeps of each (none of an impure chunk) and the hit ends
         they serve, with a HIGH end where generated tokens end; the LOW ends are named
-        only if `name_low` (a store that ranks by hit ends)."""
+        only if `name_low` (a store that ranks by hit ends). With `branches`, an
+        intermediate end is kept only where this prompt branches from one seen before
+        (`BranchMemory`)."""
         c = self.drafts.chunk_size
         if self.retention is None:
-            self.retention = kept = retention(layout, c, self.prompt_len, interval,
-                                              self.drafts.lookahead)
+            kept = retention(layout, c, self.prompt_len, interval, self.drafts.lookahead)
+            if branches is not None and max(kept.main) > 0:
+                last = max(kept.main)
+                at = branches.branch_points(self.hashes(last), c,
+                                            [e for e in kept.ends if e not in kept.main], last)
+                kept = retention(layout, c, self.prompt_len, interval, self.drafts.lookahead,
+                                 intermediate=at)
+            self.retention = kept
             self.ends = [(e, HIGH if e in kept.main else LOW) for e in kept.ends]
         chain = self.hashes(max(done, self.prompt_chunks) * c)
         groups = [() if i in self.impure else self.retention.groups(i)

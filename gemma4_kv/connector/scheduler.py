@@ -31,6 +31,7 @@ from ..lookup import messages
 from ..lookup.ranks import RankLookups
 from ..lookup.sockets import socket_address
 from ..transfer.jobs import FinishJob, LoadJob, SaveJob
+from .branches import BranchMemory
 from .events import RouterEvents
 from .metadata import Gemma4KVMetadata
 from .metrics import Gemma4KVStats
@@ -83,6 +84,7 @@ class ConnectorScheduler:
                                   mm_content_hashed=mm_identifiers_are_content_hashes(vllm_config))
         self.kv_cache_manager = None  # bound by vLLM (bind_kv_cache_manager)
         self._requests: dict[str, RequestState] = {}
+        self.branches = BranchMemory() if settings.intermediate_ends == "branched" else None
         self._loads: list[LoadJob] = []
         self._finished: list[FinishJob] = []
         self.events = RouterEvents.from_vllm(vllm_config, kv_cache_config, self.layout,
@@ -201,7 +203,7 @@ class ConnectorScheduler:
             # and their old ids may already belong to another request.
             block_ids = tuple(list(b) for b in self.kv_cache_manager.get_block_ids(req_id))
             write = st.write(req_id, done, self.layout, self.settings.retention_interval,
-                             self.ranks_hit_ends)
+                             self.ranks_hit_ends, self.branches)
             if self.events is not None:
                 self.events.record(write, st.request)
             meta.saves.append(SaveJob(write, block_ids))

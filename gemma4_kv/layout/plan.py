@@ -158,13 +158,16 @@ class Retention:
 
 
 def retention(layout: KVLayout, chunk_size: int, prompt_len: int, interval: int,
-              lookahead: int = 0) -> Retention:
+              lookahead: int = 0, intermediate: frozenset[int] | None = None) -> Retention:
     """The retention of a prompt of `prompt_len` tokens: hit ends every `interval`
-    tokens (`hit_ends`), with `lookahead` tokens past a chunk in its key (drafts)."""
+    tokens (`hit_ends`; of those other than the main ones only `intermediate`, unless
+    None), with `lookahead` tokens past a chunk in its key (drafts)."""
     m, c = layout.chunk_multiple, chunk_size
     last = prompt_len // c * c
     again = min((prompt_len - lookahead) // c * c, (prompt_len - 1) // m * m)
     ends = hit_ends(last // c, c, again, interval)
+    if intermediate is not None:
+        ends = [e for e in ends if e in (last, again) or e in intermediate]
     kept = tuple((g.group_id, None if g.kind is AttentionKind.FULL
                   else frozenset(retained_chunks(g, c, ends))) for g in layout.groups)
     return Retention(tuple(ends), frozenset({last, again}), last // c, kept)
