@@ -548,3 +548,14 @@ FAULTS = {
     "silent_rank": (_arm_silent_rank, _disarm_silent_rank),
     "store_full": (_arm_store_full, _disarm_store_full),
 }
+
+
+def settle_saves(worker, timeout: float = 30.0) -> bool:
+    """Commit every save this worker has made (waiting for their copies) and wait until
+    the store's server has answered what was handed back, so that a lookup of the next
+    prompt sees them. Without it a loaded machine can look up before the last save
+    landed (eventual visibility: a miss, then a hit one prompt later)."""
+    w = _worker()
+    w.saves.wait()
+    flush = getattr(w.store, "flush", None)
+    return bool(flush(timeout)) if flush is not None else True

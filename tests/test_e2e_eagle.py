@@ -199,7 +199,10 @@ def _server_run(tmp_path):
     try:
         spec = {"model": model, "connector": True, "max_tokens": MAX_TOKENS,
                 "engine": {**COMMON, **PLATFORMS["cpu"]["engine"]},
-                "steps": [{"prompts": [p]} for p in sent] +
+                # each prompt's saves land before the next is looked up (a busy
+                # machine looked up first: [0, 0, 512, 512])
+                "steps": [s for p in sent for s in ({"prompts": [p]},
+                                                    {"call": "faults:settle_saves"})] +
                          [{"prompts": [{"tokens": p, "salt": f"ref{i}"} for i, p in
                                        enumerate(sent)]}],
                 "extra_config": {"lmcache_server": server.url,
@@ -248,6 +251,7 @@ def test_eagle3_draft_on_an_lmcache_server_prompts_ending_on_a_chunk(engine_pool
     n = len(sent)
     assert out["cached"] == [0, 512, 512, 1024] + [0] * n
     assert out["outputs"][:n] == out["outputs"][n:], "greedy tokens differ from recomputation"
+    assert [s["result"] for s in out["steps"][1:2 * n:2]] == [[True]] * n  # saves landed
 
 
 @pytest.mark.parametrize("name", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
