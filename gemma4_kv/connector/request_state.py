@@ -10,8 +10,8 @@ from ..keys.request import RequestKeys
 from ..layout.drafts import DraftPolicy
 from ..layout.groups import KVLayout
 from ..layout.plan import Retention, retention
-from .branches import BranchMemory
 from ..stores.base import HIGH, LOW, ChunkWrite
+from .branches import BranchMemory
 
 
 @dataclass

@@ -128,8 +128,14 @@ def _create_resp_adapter(config, l1_memory_desc=None):
                                     type_name="resp")
 
 
+def _built_type(type_name):
+    """The adapter type a spec of `type_name` is built as here."""
+    return RESP_TYPE if type_name == "resp" else type_name
+
+
 def _built_as(spec: dict) -> dict:
-    return {**spec, "type": RESP_TYPE} if spec.get("type") == "resp" else spec
+    built = _built_type(spec.get("type"))
+    return spec if built == spec.get("type") else {**spec, "type": built}
 
 
 def parse_l2_adapters(specs: Sequence[dict]):
@@ -150,8 +156,7 @@ def l2_adapter_types() -> list[str]:
 def l2_adapter_class(type_name: str):
     """LMCache's config class of an adapter type (ImportError / ValueError if none)."""
     l2 = _l2()
-    if type_name == "resp":
-        type_name = RESP_TYPE
+    type_name = _built_type(type_name)
     # LMCache's loader imports every adapter module before this one until the name
     # registers; importing `<type>_l2_adapter` first (its naming rule) saves seconds.
     module = f"{l2.__name__.rsplit('.', 1)[0]}.{type_name.replace('-', '_')}_l2_adapter"
