@@ -134,7 +134,7 @@ def test_the_codec_is_in_the_fingerprint():
     assert cfg.codec_identity() == codec.identity("lossless", 0.9) != ""
     assert StoreConfig(codec="lossless").codec_identity() == ""  # no L2 tier: no codec
     assert all(s["serde"] == {"type": "gemma4_kv", "mode": "lossless", "frame": 0.9,
-                              "bits": 4, "frame_bytes": 5000}
+                              "bits": 4, "device": "auto", "frame_bytes": 5000}
                for s in StoreConfig(disk_path="/x", l2_adapters=cfg.l2_adapters,
                                     codec="lossless").adapter_specs(5000))
 

@@ -27,7 +27,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 CODECS = ("none", "lossless", "cachegen")
 
 SERVER_EXCLUSIVE = ("cpu_gb", "disk_path", "disk_gb", "l2_adapters", "l2_codec",
-                    "l2_codec_frame", "l2_codec_bits")
+                    "l2_codec_frame", "l2_codec_bits", "l2_codec_device")
 """Tiers of the embedded store: with `lmcache_server` the server's own tiers serve."""
 
 
@@ -86,6 +86,10 @@ class ConnectorSettings:
         4, "bits per coded KV change under `l2_codec: cachegen` (2-8; anchors keep 8): fewer "
         "bits, smaller frames and larger error (its bound: half a scale step per element); "
         "part of the key fingerprint", integer(2, 8))
+    l2_codec_device: str = _key(
+        "auto", "where `l2_codec: cachegen` encodes and decodes: `auto` on the engine's GPU "
+        "where it has one (the object's bytes go up, the frame's come down), `cpu` on the "
+        "CPU; both write the same bytes, so it is not part of the key", choice(("auto", "cpu")))
     num_programs: int = _key(
         32, "SM budget (programs, 1-1024) of the kernel that loads straight from pinned "
         "memory, layer by layer beside the forward", integer(1, 1024))
@@ -221,7 +225,8 @@ class ConnectorSettings:
                            l2_adapters=tuple(copy.deepcopy(self.l2_adapters)),
                            verify_checksums=self.verify_checksums,
                            codec=self.l2_codec, codec_frame=self.l2_codec_frame,
-                           codec_bits=self.l2_codec_bits)
+                           codec_bits=self.l2_codec_bits,
+                           codec_device=self.l2_codec_device)
 
 
 def _check_server(values: dict, extra: Mapping) -> None:

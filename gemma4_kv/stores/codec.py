@@ -84,7 +84,7 @@ def identity(mode: str, frame: float, bits: int = 4) -> str:
     if mode == "cachegen":
         from .cachegen import ANCHOR, BLOCK
 
-        return f"{mode}-v{VERSION}-anchor{ANCHOR}-block{BLOCK}-bits{bits}-zstd"
+        return f"{mode}-v{VERSION}-anchor{ANCHOR}-block{BLOCK}-bits{bits}-stored"
     raise ValueError(f"unknown codec mode {mode!r}")
 
 

@@ -34,6 +34,9 @@ class StoreConfig:
     """Fraction of an object's size its stored frame takes (`codec.frame_size`)."""
     codec_bits: int = 4
     """Bits per coded KV change under `cachegen` (`cachegen.py`)."""
+    codec_device: str = "auto"
+    """Where `cachegen` codes: "auto" (the engine's GPU where it has one) or "cpu"; the
+    same bytes either way, so not part of the key."""
 
     def adapter_specs(self, frame_bytes: int = 0) -> list[dict]:
         """Every L2 tier: the disk tier first, then `l2_adapters`; each with the
@@ -52,7 +55,7 @@ class StoreConfig:
             for spec in specs:
                 spec["serde"] = {"type": CODEC_SERDE, "mode": self.codec,
                                  "frame": self.codec_frame, "bits": self.codec_bits,
-                                 "frame_bytes": frame_bytes}
+                                 "device": self.codec_device, "frame_bytes": frame_bytes}
         return specs
 
     def codec_identity(self) -> str:

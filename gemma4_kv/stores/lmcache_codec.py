@@ -40,13 +40,15 @@ def frame_bytes(config: StoreConfig, objects) -> int:
 class Encode:
     """Object bytes -> a frame of `frame_bytes` (LMCache's `Serializer`)."""
 
-    def __init__(self, mode: str, frame_bytes: int, level: int, bits: int):
+    def __init__(self, mode: str, frame_bytes: int, level: int, bits: int,
+                 device: torch.device):
         self.mode, self.frame_bytes, self.level, self.bits = mode, frame_bytes, level, bits
+        self.device = device
 
     def serialize(self, src, dst, key) -> int:
         if self.mode == "cachegen":
             return cachegen.encode_into(src.byte_array, dst.byte_array, src.get_shapes()[0],
-                                        src.get_dtypes()[0], self.bits, self.level)
+                                        src.get_dtypes()[0], self.bits, self.device)
         width = src.get_dtypes()[0].itemsize  # the KV's element: bf16 2, fp32 4
         return codec.encode_into(src.byte_array, dst.byte_array, width, self.level)
 
@@ -58,25 +60,28 @@ class Encode:
 class Decode:
     """A checked frame -> the object's bytes, in place (LMCache's `Deserializer`)."""
 
-    def __init__(self, mode: str):
-        self.mode = mode
+    def __init__(self, mode: str, device: torch.device):
+        self.mode, self.device = mode, device
 
     def deserialize(self, src, dst, key) -> None:
         if self.mode == "cachegen":
-            cachegen.decode_into(src.byte_array, dst.byte_array)
+            cachegen.decode_into(src.byte_array, dst.byte_array, self.device)
         else:
             codec.decode_into(src.byte_array, dst.byte_array)
 
 
 def make(kwargs: dict) -> tuple[Encode, Decode]:
-    """The serde of a spec's `"serde"` object (`StoreConfig.adapter_specs` writes it)."""
+    """The serde of a spec's `"serde"` object (`StoreConfig.adapter_specs` writes it).
+    Built on the thread that builds the store, whose CUDA device is the engine's: a
+    `cachegen` serde codes there (`"device": "auto"`) or on the CPU (`"cpu"`)."""
     mode, size, bits = kwargs.get("mode"), kwargs.get("frame_bytes"), kwargs.get("bits", 4)
     if mode not in codec.MODES or isinstance(size, bool) or not isinstance(size, int) \
             or size <= codec.HEADER or isinstance(bits, bool) or bits not in range(2, 9):
         raise ValueError(f"{CODEC_SERDE} serde: bad mode {mode!r}, frame_bytes {size!r} "
                          f"or bits {bits!r}")
-    return Encode(mode, size, int(kwargs.get("level", codec.DEFAULT_LEVEL)), bits), \
-        Decode(mode)
+    device = cachegen.device_for(kwargs.get("device", "auto"))
+    return Encode(mode, size, int(kwargs.get("level", codec.DEFAULT_LEVEL)), bits, device), \
+        Decode(mode, device)
 
 
 def register() -> None:
