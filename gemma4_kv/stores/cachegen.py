@@ -59,6 +59,7 @@ BLOCK = 64
 DTYPES = {1: torch.bfloat16, 2: torch.float16, 3: torch.float32}
 _CODES = {d: c for c, d in DTYPES.items()}
 SUB = struct.Struct("<qIIIHBBI")
+CPU = torch.device("cpu")
 STORED = 1
 """The frame's payload kind: the body as it is. A frame's size is fixed by its shape
 (LMCache's tiers load values of one size), so an entropy coder could not shrink what
@@ -180,11 +181,11 @@ def device_for(choice: str) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     if choice not in ("auto", "cpu"):
         raise ValueError(f"cachegen: device {choice!r} (auto or cpu)")
-    return torch.device("cpu")
+    return CPU
 
 
 def encode_into(raw, out, kv_shape, dtype: torch.dtype, bits: int,
-                device: torch.device = torch.device("cpu")) -> int:
+                device: torch.device = CPU) -> int:
     """Encode the sealed object `raw` (KV of `kv_shape` and `dtype`, its trailer, any
     padding) into the writable `out`, whose whole length is the frame, coding on
     `device`. Raises `codec.DoesNotFit` if it does not fit, ValueError for an object
@@ -211,7 +212,7 @@ def encode_into(raw, out, kv_shape, dtype: torch.dtype, bits: int,
                              sub + body)
 
 
-def decode_into(frame, out, device: torch.device = torch.device("cpu")) -> None:
+def decode_into(frame, out, device: torch.device = CPU) -> None:
     """Check the stored `frame` and write the object it codes into `out` (exactly the
     object's length), decoding on `device`: the decoded KV, its trailer sealed again,
     zeros after it. Raises `codec.Damaged` for a frame that is not intact or does not
