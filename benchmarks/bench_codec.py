@@ -12,7 +12,8 @@ KV (nearby tokens alike) sealed with its trailer, and per codec mode:
 - the serde's path end to end (`encode_into` / `decode_into` on host bytes: the bytes
   go up, the frame's come down, the frame's BLAKE2b on the CPU): GB/s of KV, wall
   clock, per device (`cuda` where there is one, and `cpu`);
-- `lossless` (zstd, CPU only) the same way, with its ratio on this KV.
+- `lossless` (zstd, CPU only, where `zstandard` is installed) the same way, with its
+  ratio on this KV.
 Prints a table, writes the JSON and a bar plot. KV of random weights has less structure
 than trained KV: the ratios of `cachegen` are fixed by its format, `lossless`'s are not
 (see cachegen_quality.py for quality on trained weights)."""
@@ -69,7 +70,8 @@ def gpu_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def group_row(shape_name: str, group, bits: int, repeats: int, devices) -> dict:
+def group_row(shape_name: str, group, bits: int, repeats: int, devices,
+              profile: bool = False) -> dict:
     shape = (2, len(group.layers), CHUNK, group.num_kv_heads * group.head_size)
     kv, raw = sealed(shape, len(group.layers))
     kv_bytes = kv.numel() * 2
@@ -78,11 +80,6 @@ def group_row(shape_name: str, group, bits: int, repeats: int, devices) -> dict:
                kv_bytes=kv_bytes, bytes_per_token={"none": len(raw) / CHUNK,
                                                    "cachegen": frame / CHUNK},
                ratio_cachegen=len(raw) / frame, gbps={})
-    lossless = bytearray(codec.frame_size(len(raw), 1.0))
-    codec.encode_into(raw, lossless, 2)
-    payload = int.from_bytes(lossless[16:24], "little")
-    row["bytes_per_token"]["lossless_payload"] = (codec.HEADER + payload) / CHUNK
-    row["ratio_lossless_payload"] = len(raw) / (codec.HEADER + payload)
     out = bytearray(frame)
     back = bytearray(len(raw))
     for dev in devices:
@@ -101,6 +98,26 @@ def group_row(shape_name: str, group, bits: int, repeats: int, devices) -> dict:
             dec_k = gpu_time(lambda: cachegen.decode_tensors(body, p, t, c, bits,
                                                              torch.bfloat16), repeats)
             row["gbps"]["cachegen_core_cuda"] = [kv_bytes / enc_k / 1e9, kv_bytes / dec_k / 1e9]
+            if profile:  # where the serde's time goes, beside the core's
+                import cProfile
+                import pstats
+
+                for what, fn in (("encode", lambda: cachegen.encode_into(
+                        raw, out, shape, torch.bfloat16, bits, d)),
+                        ("decode", lambda: cachegen.decode_into(bytes(out), back, d))):
+                    prof = cProfile.Profile()
+                    prof.runcall(fn)
+                    print(f"profile of the cuda serde's {what}, {row['shape']} {row['group']}")
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(10)
+    try:
+        import zstandard  # noqa: F401  (lossless's coder; the GPU machine has none)
+    except ImportError:
+        return row
+    lossless = bytearray(codec.frame_size(len(raw), 1.0))
+    codec.encode_into(raw, lossless, 2)
+    payload = int.from_bytes(lossless[16:24], "little")
+    row["bytes_per_token"]["lossless_payload"] = (codec.HEADER + payload) / CHUNK
+    row["ratio_lossless_payload"] = len(raw) / (codec.HEADER + payload)
     enc = wall(lambda: codec.encode_into(raw, lossless, 2), repeats)
     dec = wall(lambda: codec.decode_into(bytes(lossless), back), repeats)
     row["gbps"]["lossless_serde_cpu"] = [kv_bytes / enc / 1e9, kv_bytes / dec / 1e9]
@@ -115,9 +132,10 @@ def print_table(result: dict) -> None:
           + " | ".join(cols))
     for r in result["rows"]:
         b = r["bytes_per_token"]
+        lossless = (f"{b['lossless_payload']:.0f} ({r['ratio_lossless_payload']:.2f})"
+                    if "lossless_payload" in b else "-")
         print(f"{r['shape']} | {r['group']} | {b['none']:.0f} | {b['cachegen']:.0f} "
-              f"({r['ratio_cachegen']:.2f}) | {b['lossless_payload']:.0f} "
-              f"({r['ratio_lossless_payload']:.2f}) | "
+              f"({r['ratio_cachegen']:.2f}) | {lossless} | "
               + " | ".join("%.2f / %.2f" % tuple(r["gbps"][c]) if c in r["gbps"] else "-"
                            for c in cols))
 
@@ -162,7 +180,8 @@ def main(argv=None) -> dict:
             if kind in seen:  # vLLM splits a kind into groups of one size: one row each
                 continue
             seen.add(kind)
-            rows.append(group_row(name, group, args.bits, args.repeats, devices))
+            rows.append(group_row(name, group, args.bits, args.repeats, devices,
+                                  profile=not rows))
             print(json.dumps(rows[-1]), flush=True)
     gpu = torch.cuda.get_device_properties(0).name if torch.cuda.is_available() else "CPU"
     result = dict(meta=dict(gpu=gpu, bits=args.bits, repeats=args.repeats, chunk=CHUNK,

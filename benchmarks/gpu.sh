@@ -200,6 +200,7 @@ for p in "$@"; do  # A+B: parts side by side (not for timing)
   else
     run_part "$p"
   fi
+  tar czf "$OUT/results.tar.gz" -C /tmp results  # after every part: a timeout keeps them
 done
 echo "== done after ${SECONDS}s"
 tar czf "$OUT/results.tar.gz" -C /tmp results

@@ -1,5 +1,5 @@
 """`l2_codec: cachegen` (stores/cachegen.py): the frame decoded here from its written
-definition with numpy, struct, hashlib and zstandard (never the module's helpers), the
+definition with numpy, struct and hashlib (never the module's helpers), the
 module's decoding equal to it bit for bit and within the documented bound of the
 original KV; frame sizes worked out by hand; then through LMCache's real `fs_native`
 tier: loads within the bound and accepted by the integrity check (the trailer sealed
@@ -14,7 +14,6 @@ import struct
 import numpy as np
 import pytest
 import torch
-import zstandard
 
 from gemma4_kv.keys.engine import fingerprint
 from gemma4_kv.layout import integrity
@@ -52,9 +51,8 @@ def oracle(frame: bytes, raw_len: int):
     assert hashlib.blake2b(frame[:32] + frame[48:], digest_size=16).digest() == frame[32:48]
     payload = frame[48:48 + plen]
     key64, p, t, c, anchor, bits, dcode, tail = struct.unpack_from("<qIIIHBBI", payload)
+    assert kind == 1  # the body as it is
     body = payload[28:]
-    if kind == 0:
-        body = zstandard.ZstdDecompressor().decompress(body)
     g, nb, q = -(-t // anchor), -(-c // 64), 2 ** (bits - 1) - 1
     o = 0
     sa = np.frombuffer(body, "<f4", p * g, o).reshape(p, g)

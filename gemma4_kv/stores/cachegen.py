@@ -135,14 +135,16 @@ def encode_tensors(x: torch.Tensor, bits: int) -> list[torch.Tensor]:
     xp = torch.nn.functional.pad(x, (0, nb * BLOCK - c, 0, g * ANCHOR - t))
     xp = xp.view(p, g, ANCHOR, nb, BLOCK)
     anchors = xp[:, :, 0]  # [P, G, NB, BLOCK]
-    sa = anchors.abs().amax(dim=(2, 3)) / 127
+    # Divisors as tensors of the device: CUDA divides by a host scalar as a product
+    # with its reciprocal, which rounds differently from the CPU's (and IEEE's) quotient.
+    sa = anchors.abs().amax(dim=(2, 3)) / torch.full((), 127.0, device=x.device)
     sa = torch.where(sa > 0, sa, torch.ones_like(sa))
     qa = torch.round(anchors / sa[:, :, None, None]).clamp_(-127, 127)
     ahat = qa * sa[:, :, None, None]  # â, as the decoder computes it
     d = xp - ahat[:, :, None]
     d[:, :, 0] = 0  # anchors are not changes
     d[:, g - 1, t - (g - 1) * ANCHOR:] = 0  # nor are the padding rows of the last group
-    sd = d.abs().amax(dim=(2, 4)) / q  # [P, G, NB]
+    sd = d.abs().amax(dim=(2, 4)) / torch.full((), float(q), device=x.device)  # [P, G, NB]
     sd = torch.where(sd > 0, sd, torch.ones_like(sd))
     codes = torch.round(d[:, :, 1:] / sd[:, :, None, :, None]).clamp_(-q, q).add_(q)
     codes = codes.to(torch.uint8).view(p, g * (ANCHOR - 1), nb * BLOCK)[:, :t - g, :c]
@@ -206,10 +208,17 @@ def encode_into(raw, out, kv_shape, dtype: torch.dtype, bits: int,
         raise ValueError("cachegen: the KV holds inf or NaN: stored by no lossy code")
     arrays = encode_tensors(x, bits)
     key64 = _signed(check - int(integrity.weighted_sums(kv.view(1, -1))[0]))
-    body = torch.cat(arrays).cpu().numpy().tobytes()
-    sub = SUB.pack(key64, p, t, c, ANCHOR, bits, _CODES[dtype], len(src) - kv_bytes)
-    return codec.write_frame(out, codec.CACHEGEN, dtype.itemsize, STORED, len(src),
-                             sub + body)
+    dst = memoryview(out).cast("B")
+    size = SUB.size + sum(parts(p, t, c, bits))
+    if codec.HEADER + size > len(dst):
+        raise codec.DoesNotFit(f"cachegen: {size} bytes of payload, the frame holds "
+                               f"{len(dst) - codec.HEADER}")
+    SUB.pack_into(dst, codec.HEADER, key64, p, t, c, ANCHOR, bits, _CODES[dtype],
+                  len(src) - kv_bytes)
+    start = codec.HEADER + SUB.size
+    torch.frombuffer(dst, dtype=torch.uint8, count=size - SUB.size, offset=start).copy_(
+        torch.cat(arrays))  # straight into the frame
+    return codec.seal_frame(dst, codec.CACHEGEN, dtype.itemsize, STORED, len(src), size)
 
 
 def decode_into(frame, out, device: torch.device = CPU) -> None:

@@ -115,15 +115,28 @@ def write_frame(out, codec_id: int, width: int, kind: int, raw_len: int,
     `out` (its whole length is the frame): header, payload, zero padding, checksum.
     Returns that length; raises `DoesNotFit` (nothing written) if it does not fit."""
     dst = memoryview(out).cast("B")
-    total = len(dst)
-    if HEADER + len(payload) > total:
-        raise DoesNotFit(f"{raw_len} bytes encode to {len(payload)}, the frame holds "
+    _fits(len(dst), len(payload), raw_len)
+    dst[HEADER:HEADER + len(payload)] = payload
+    return seal_frame(dst, codec_id, width, kind, raw_len, len(payload))
+
+
+def _fits(total: int, payload_len: int, raw_len: int) -> None:
+    if HEADER + payload_len > total:
+        raise DoesNotFit(f"{raw_len} bytes encode to {payload_len}, the frame holds "
                          f"{total - HEADER}")
-    end = HEADER + len(payload)
-    dst[HEADER:end] = payload
+
+
+def seal_frame(out, codec_id: int, width: int, kind: int, raw_len: int,
+               payload_len: int) -> int:
+    """`write_frame` for a payload its coder already wrote at `out[HEADER:]` (no copy):
+    the zero padding, the header and the checksum. Returns the frame's length."""
+    dst = memoryview(out).cast("B")
+    total = len(dst)
+    _fits(total, payload_len, raw_len)
+    end = HEADER + payload_len
     dst[end:total] = bytes(total - end)
     _HEAD.pack_into(dst, 0, MAGIC, VERSION, codec_id, width, kind, raw_len,
-                    len(payload), total)
+                    payload_len, total)
     dst[_HEAD.size:HEADER] = _checksum(dst)
     return total
 
