@@ -61,6 +61,9 @@
 #   valkey   the road to Valkey (bench_valkey.py --quick): TCP vs unix socket, value sizes,
 #            clients, io-threads, glide's compression, LMCache's valkey vs resp adapter
 #   kernels  the mover benchmark
+#   quality  cachegen's quality on a trained model (cachegen_quality.py --size medium: ~35 M
+#            parameters of Gemma 4's architecture, bf16 autocast, training capped at 240 s,
+#            then trained and random weights measured; QUALITY_ARGS adds options)
 # Everything lands in $OUT/results.tar.gz (one folder per part); a summary is printed last.
 cd "$(dirname "$0")/.."
 source .gpu-vllm/env.sh || exit 1
@@ -184,6 +187,12 @@ part_kernels() {
   timeout "${1:-300}" python3 benchmarks/bench_movers.py --out $R/movers.json \
     --plot $R/movers.png > $R/movers.log 2>&1
   tail -40 $R/movers.log
+}
+part_quality() {  # the tree's gemma4_kv first: the codec measured is the one checked out
+  PYTHONPATH="$PWD:$PYTHONPATH" timeout -k 20 "${1:-420}" python3 benchmarks/cachegen_quality.py \
+    --device cuda --size medium --out $R/ ${QUALITY_ARGS:-} > $R/quality.log 2>&1
+  if grep -q "^\*\*trained" $R/quality.log; then sed -n '/^\*\*trained/,$p' $R/quality.log
+  else tail -30 $R/quality.log; fi
 }
 
 run_part() {  # NAME[=SECONDS]
