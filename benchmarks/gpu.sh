@@ -8,6 +8,10 @@
 #   cuda     CUDA tests (kernel, movers, integrity, staging, shared memory)
 #   e2e      the GPU end-to-end cases (tests/test_e2e_gpu.py) and the default-numerics
 #            check (numerics_gpu.py)
+#   mm       a real multimodal Gemma 4 (its vision tower, random weights) with image prompts
+#            through the connector (tests/test_e2e_gpu_mm.py): tokens against recomputation,
+#            hits with the same and another image, no hit ending inside an image, two
+#            negative controls; log and mm.json (each check and what it saw) under mm/
 #   sweep    tier sweep (bench_sweep.py): 12B-like shape with 12 of its 48 layers, 16 x
 #            8K-token documents, loop and Zipf orders, CPU tier 0.4-3x OffloadingConnector's
 #            working set; gemma4-kv and the OffloadingConnector at their defaults, no
@@ -94,6 +98,18 @@ part_e2e() {  # the GPU end-to-end cases and the default-numerics check
   wait
   grep -hE "^(PASSED|FAILED|ERROR)|[0-9]+ (passed|failed)" $d/e2e_*.log
   grep -E "^(recompute|vllm_prefix|gemma4_kv) " $d/numerics.log
+}
+part_mm() {  # multimodal Gemma 4: three engines side by side, the checks as tests
+  local d=$R/mm && mkdir -p $d
+  # --basetemp: the engines' own logs (tmp/*/*.log) come back with the results
+  G4KV_MM_RESULT=$d/mm.json timeout "${1:-420}" python3 -P -m pytest -q -rA \
+    --basetemp=$d/tmp tests/test_e2e_gpu_mm.py > $d/pytest.log 2>&1
+  grep -hE "^(PASSED|FAILED|ERROR)|[0-9]+ (passed|failed|error)" $d/pytest.log
+  if [ -f $d/mm.json ]; then
+    python3 -c 'import json, sys; print("\n".join(json.load(open(sys.argv[1]))["summary"]))' $d/mm.json
+  else
+    echo "no mm.json (the engines did not finish):"; tail -30 $d/pytest.log
+  fi
 }
 part_sweep() {
   timeout -k 20 "${1:-560}" python3 benchmarks/bench_sweep.py --out $R/sweep \

@@ -12,6 +12,8 @@ SPEC: {"model": dir, "connector": bool,
        "preload": [modules whose install() runs before the engine starts, e.g. stand-ins
                    for compiled vLLM ops missing on the GPU machine],
        "metrics": [vLLM counter names]     recorded after each prompt (log stats on)
+       "prompt_ids": bool                  record each prompt's token ids as vLLM ran
+                                           them (images expanded): OUT "prompt_ids"
        "prompts": [PROMPT, ...]            sent one at a time: later ones hit earlier ones
        "steps": [STEP, ...]}               or a script of steps (instead of "prompts"):
 STEP:  {"prompts": [PROMPT, ...], "batch": bool (all in flight at once),
@@ -24,8 +26,11 @@ STEP:  {"prompts": [PROMPT, ...], "batch": bool (all in flight at once),
         Prometheus counters so far, [[name, labels, value]]: needs "disable_log_stats":
         false in "engine")
 PROMPT: [token ids] | {"tokens": [...], "lora": name, "salt": str,
-        "embeds": {"seed": s, "rows": [lo, hi]}} (rows lo..hi-1 given as random
+        "embeds": {"seed": s, "rows": [lo, hi]}, (rows lo..hi-1 given as random
         embeddings of that seed instead of token ids)
+        "images": [{"seed": s, "size": [w, h]}]} (`noise_image`s as the prompt's
+        multi_modal_data, one per image placeholder token in "tokens": a multimodal
+        model, with its processor and tokenizer, and "skip_tokenizer_init": false)
 OUT:  {"outputs": [[token ids]], "cached": [num_cached_tokens], "ttft": [s],
        "metrics": [{"name{label=value,...}": cumulative value}] (with "metrics"),
        "steps": [{"outputs", "cached", "ttft", "metrics"} | {"result"}], ...} (outputs,
@@ -153,6 +158,8 @@ def _generate(llm, spec: dict, step: dict, out: dict) -> dict:
         for r in results:
             res["outputs"].append(list(r.outputs[0].token_ids))
             res["cached"].append(r.num_cached_tokens)
+            if spec.get("prompt_ids"):
+                res.setdefault("prompt_ids", []).append(list(r.prompt_token_ids))
             first = getattr(r.metrics, "first_token_latency", None) if r.metrics else None
             res["ttft"].append(first or wall)  # = TTFT when max_tokens is 1
         if spec.get("speculative_config"):
@@ -171,6 +178,8 @@ def _prompt(p, spec: dict, llm):
     prompt = {"prompt_token_ids": p["tokens"]}
     if p.get("salt"):
         prompt["cache_salt"] = p["salt"]
+    if p.get("images"):
+        prompt["multi_modal_data"] = {"image": [noise_image(**i) for i in p["images"]]}
     if p.get("embeds"):
         import torch
 
@@ -188,6 +197,17 @@ def _prompt(p, spec: dict, llm):
         names = sorted(spec["loras"])
         lora = LoRARequest(p["lora"], names.index(p["lora"]) + 1, spec["loras"][p["lora"]])
     return prompt, lora
+
+
+def noise_image(seed: int, size: list[int]):
+    """A deterministic RGB image of uniform noise, `size` = [width, height]: two seeds
+    give two images of one size (equal placeholder token ids, different content)."""
+    import numpy as np
+    from PIL import Image
+
+    w, h = size
+    pixels = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    return Image.fromarray(pixels, "RGB")
 
 
 WORKER_EXTENSION = "gemma4_kv.tools.harness.HarnessWorker"  # by name: "__main__" under -m
