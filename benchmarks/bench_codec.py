@@ -10,7 +10,7 @@ KV (nearby tokens alike) sealed with its trailer, and per codec mode:
 - `cachegen` core on the device (`encode_tensors` / `decode_tensors` on KV already
   there): GB/s of KV, CUDA events, the median of `--repeats`;
 - the serde's path end to end (`encode_into` / `decode_into` on host bytes: the bytes
-  go up, the frame's come down, the frame's BLAKE2b on the CPU): GB/s of KV, wall
+  go up, the frame's come down, the frame's BLAKE3 on the CPU): GB/s of KV, wall
   clock, per device (`cuda` where there is one, and `cpu`);
 - `lossless` (zstd, CPU only, where `zstandard` is installed) the same way, with its
   ratio on this KV.

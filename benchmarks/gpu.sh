@@ -193,7 +193,7 @@ part_valkey() {
 }
 part_codec() {  # l2_codec on the GPU: frames equal to the CPU's, then speed and size
   local d=$R/codec && mkdir -p $d
-  timeout 150 python3 -P -m pytest -q -x tests/test_cachegen_cuda.py > $d/pytest.log 2>&1
+  timeout 150 python3 -P -m pytest -q tests/test_cachegen_cuda.py > $d/pytest.log 2>&1
   tail -1 $d/pytest.log
   timeout "${1:-200}" python3 benchmarks/bench_codec.py --out $d/codec.json \
     --plot $d/codec.png > $d/bench.log 2>&1

@@ -1,5 +1,5 @@
 """`l2_codec: cachegen` (stores/cachegen.py): the frame decoded here from its written
-definition with numpy, struct and hashlib (never the module's helpers), the
+definition with numpy, struct and blake3 (never the module's helpers), the
 module's decoding equal to it bit for bit and within the documented bound of the
 original KV; frame sizes worked out by hand; then through LMCache's real `fs_native`
 tier: loads within the bound and accepted by the integrity check (the trailer sealed
@@ -8,7 +8,7 @@ asserted."""
 
 from __future__ import annotations
 
-import hashlib
+import blake3
 import struct
 
 import numpy as np
@@ -47,8 +47,8 @@ def oracle(frame: bytes, raw_len: int):
     scale, dtype code, key64)."""
     head = struct.Struct("<4sBBBBQQQ")
     magic, version, codec_id, width, kind, stored, plen, total = head.unpack_from(frame)
-    assert (magic, version, codec_id, stored, total) == (b"G4KC", 1, 2, raw_len, len(frame))
-    assert hashlib.blake2b(frame[:32] + frame[48:], digest_size=16).digest() == frame[32:48]
+    assert (magic, version, codec_id, stored, total) == (b"G4KC", 2, 2, raw_len, len(frame))
+    assert blake3.blake3(frame[:32] + frame[48:]).digest(16) == frame[32:48]
     payload = frame[48:48 + plen]
     key64, p, t, c, anchor, bits, dcode, tail = struct.unpack_from("<qIIIHBBI", payload)
     assert kind == 1  # the body as it is

@@ -1,5 +1,5 @@
 """`l2_codec`: the stored frame (`stores/codec.py`) against its definition, written out
-again here with numpy, struct, hashlib and zstandard (never the module's helpers); then
+again here with numpy, struct, blake3 and zstandard (never the module's helpers); then
 through LMCache's real tiers (`fs_native` in a tmp dir, a real Valkey server): loads
 are bit-exact, a damaged frame is a miss with nothing loaded, the codec is in the key.
 
@@ -7,7 +7,7 @@ The compression ratios of the data below are printed (run with -s), not asserted
 
 from __future__ import annotations
 
-import hashlib
+import blake3
 import struct
 from pathlib import Path
 
@@ -56,10 +56,10 @@ def expected_frame(raw: bytes, width: int, frame_len: int) -> bytes:
     kind = 0
     if len(payload) >= len(raw):  # not smaller: stored as it is
         payload, kind = raw, 1
-    head = struct.pack("<4sBBBBQQQ", b"G4KC", 1, 1, width, kind, len(raw), len(payload),
+    head = struct.pack("<4sBBBBQQQ", b"G4KC", 2, 1, width, kind, len(raw), len(payload),
                        frame_len)
     body = payload + bytes(frame_len - 48 - len(payload))
-    return head + hashlib.blake2b(head + body, digest_size=16).digest() + body
+    return head + blake3.blake3(head + body).digest(16) + body
 
 
 @pytest.mark.parametrize("name", list(kinds()))

@@ -31,7 +31,7 @@ coded (the object is not stored in that tier).
 The trailer's checksum covers the KV as written, so the object that comes back is
 sealed again: the frame stores `key64 = checksum - sum(x)` (mod 2**64) of the original
 object (`integrity`), and the decoder writes `[MAGIC, sum(x̂) + key64, KV bytes, 0]`.
-A frame is checked (its BLAKE2b) before anything is decoded, and the decoded object is
+A frame is checked (its BLAKE3) before anything is decoded, and the decoded object is
 verified against its trailer like every object from L2, so an object stored under
 another key (another key64) is still a miss.
 
@@ -147,9 +147,9 @@ def encode_tensors(x: torch.Tensor, bits: int) -> list[torch.Tensor]:
     sd = d.abs().amax(dim=(2, 4)) / torch.full((), float(q), device=x.device)  # [P, G, NB]
     sd = torch.where(sd > 0, sd, torch.ones_like(sd))
     codes = torch.round(d[:, :, 1:] / sd[:, :, None, :, None]).clamp_(-q, q).add_(q)
-    codes = codes.to(torch.uint8).view(p, g * (ANCHOR - 1), nb * BLOCK)[:, :t - g, :c]
+    codes = codes.to(torch.uint8).reshape(p, g * (ANCHOR - 1), nb * BLOCK)[:, :t - g, :c]
     return [sa.contiguous().view(torch.uint8).view(-1),
-            qa.to(torch.int8).view(p, g, nb * BLOCK)[:, :, :c].contiguous().view(
+            qa.to(torch.int8).reshape(p, g, nb * BLOCK)[:, :, :c].contiguous().view(
                 torch.uint8).view(-1),
             sd.contiguous().view(torch.uint8).view(-1),
             _pack(codes.contiguous(), bits)]
@@ -173,7 +173,7 @@ def decode_tensors(body: torch.Tensor, p: int, t: int, c: int, bits: int,
     scale = sd[:, :, :, None].expand(p, g, nb, BLOCK).reshape(p, g, nb * BLOCK)[:, :, :c]
     change = (codes.view(p, g, ANCHOR - 1, c) - q).float() * scale[:, :, None]
     rows = torch.cat((ahat[:, :, None], ahat[:, :, None] + change), dim=2)
-    return rows.view(p, g * ANCHOR, c)[:, :t].to(dtype)
+    return rows.reshape(p, g * ANCHOR, c)[:, :t].to(dtype).contiguous()
 
 
 def device_for(choice: str) -> torch.device:
