@@ -37,6 +37,11 @@ READ_LATER = {"VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
 """Variables that may differ between a forked engine and the zygote: vLLM reads them when
 it starts an engine or a worker; so does this package its GEMMA4_KV_* ones (and the
 tests theirs), and LMCache, which the zygote does not import, its LMCACHE_* ones."""
+SPAWN_AFRESH = "G4KV_SPAWN_AFRESH"
+"""Set to 1 in an engine's environment: the engine is started as a process of its own and
+never starts the zygote. For engines with modules of their own on their path (a stand-in
+package): a zygote started from such an environment would hand them to every engine
+forked after, and spawn every other one afresh."""
 
 
 def _read_later(key: str) -> bool:
@@ -112,6 +117,8 @@ class Zygote:
         import torch
 
         if torch.cuda.is_available():  # no fork after CUDA-aware imports; GPU runs are few
+            return None
+        if env.get(SPAWN_AFRESH) == "1":
             return None
         if cmd[1:4] != ["-P", "-m", "gemma4_kv.tools.harness"] or not self._up(env):
             return None
