@@ -7,7 +7,9 @@ LMCache's CPU pool (pinned when CUDA is present); L2 tiers (local disk `fs_nativ
 Redis/Valkey `valkey`, ...) sit behind it through LMCache's own adapters.
 
 What L1 keeps is decided here, not by LMCache's LRU: `capacity.Capacity` admits and
-evicts whole servable hits, and objects no hit can use are deleted at once.
+evicts whole servable hits, and objects no hit can use are deleted at once. The store is
+the account's one owner: the L2 half returns what the account must learn as decisions
+(`l2_prefetch.Decision`), which `_apply` carries out.
 
 What may fail is done before a hit is offered, never during its load:
 - an L2 lookup is an LMCache prefetch (`embedded_l2.L2Prefetches`, which the store
@@ -34,6 +36,7 @@ from .capacity import Capacity, EndSpec, hit_end
 from .config import StoreConfig
 from . import lmcache_codec
 from .embedded_l2 import L2Prefetches
+from .l2_prefetch import Decision, Done, Landed, Rejected
 from .events import TIER_L1, TierEvents
 from .lmcache import StorageLayer
 
@@ -100,10 +103,9 @@ class EmbeddedStore(ChunkStore):
         self.capacity = Capacity(self._total,
                                  ties_admit=config.capabilities.slow_tier)
         self._warned_untracked = False
-        self.l2 = L2Prefetches(self.tier, self.capacity, layout, chunk_size,
-                               layouts=self._layouts, sizes=self._bytes, key=self.key,
-                               namespace=lambda: self.namespace, delete=self._delete,
-                               verify=config.verify_checksums, stats=stats)
+        self.l2 = L2Prefetches(self.tier, layout, chunk_size, layouts=self._layouts,
+                               sizes=self._bytes, kv_rank=kv_rank,
+                               verify=config.verify_checksums)
 
     @property
     def capabilities(self) -> StoreCapabilities:
@@ -130,13 +132,27 @@ class EmbeddedStore(ChunkStore):
 
     # -- reads: L2 (`L2Prefetches`) ----------------------------------------------------
     def start_prefetch(self, chain: Sequence[bytes], start: int, limit: int) -> Prefetch:
-        return self.l2.start_prefetch(chain, start, limit)
+        """Room is made first for the hit asked for (it may evict what a save of it
+        could), set apart for the prefetch until it lands; without room, or while the
+        tier is stuck (`L2Prefetches.tier_up`), nothing is asked."""
+        owner = f"prefetch-{uuid.uuid4().hex}"
+        asked = self._end(chain, limit, HIGH)
+        ask = self.l2.tier_up()
+        if ask:
+            ask, garbage = self.capacity.room(self._missing_bytes(asked), asked.key, owner)
+            self._delete(garbage)
+        return self.l2.start_prefetch(chain, start, limit, self.namespace, owner, ask)
+
+    def _missing_bytes(self, asked: EndSpec) -> int:
+        return sum(self._bytes[cell[1]] for cell in asked.cells
+                   if cell not in self.capacity)
 
     def fetch_bytes(self, chain: Sequence[bytes], start: int, limit: int) -> int:
-        return self.l2.fetch_bytes(chain, start, limit)
+        """Bytes of the objects a hit of `limit` tokens needs that L1 lacks."""
+        return self._missing_bytes(self._end(chain, limit, HIGH))
 
     def poll(self) -> None:
-        self.l2.poll()
+        self._apply(self.l2.poll(self.namespace))
 
     def in_flight(self) -> bool:
         return self.l2.in_flight()
@@ -148,13 +164,33 @@ class EmbeddedStore(ChunkStore):
         return self.tier.l2_writes_in_flight()
 
     def finish_prefetch(self, prefetch: Prefetch) -> None:
-        self.l2.finish_prefetch(prefetch)
+        self._apply(self.l2.finish_prefetch(prefetch))
+
+    def _apply(self, decisions: list[Decision]) -> None:
+        """Carry out, in order, what L2 work decided the account must learn."""
+        for d in decisions:
+            if isinstance(d, Landed):
+                self.capacity.landed(d.owner)
+                if d.kept:
+                    self.capacity.kept(self._sizes(d.kept))
+                if d.held:
+                    self.capacity.hold(d.owner, d.held)
+                if d.gave_up and self.stats is not None:
+                    self.stats.add("hung_l2_prefetches", 1)
+            elif isinstance(d, Rejected):
+                if self.stats is not None:
+                    self.stats.add("rejected_objects", len(d.cells))
+                self._delete(self.capacity.dropped(d.cells))
+            elif isinstance(d, Done):
+                self._delete(self.capacity.finished(d.owner))
 
     # -- reads: L1 --------------------------------------------------------------------
     def resident(self, chain: Sequence[bytes]) -> dict[int, set[int]]:
         """Per group id, the chunk indices whose object sits in L1 and may be offered
         (not possibly brought up by an unverified prefetch, not known bad)."""
-        return self.l2.resident(chain)
+        out, decided = self.l2.resident(chain, self.namespace)
+        self._apply(decided)
+        return out
 
     def pin(self, chain: Sequence[bytes], start: int, hit: int,
             req_id: str = "") -> Pinned | None:
@@ -263,7 +299,7 @@ class EmbeddedStore(ChunkStore):
         allocation overhead) is room the account cannot give: its limit shrinks by it."""
         used = self.tier.usage()[0]
         extra = max(0, used - self.capacity.used)
-        self.capacity.limit = self._total - extra
+        self.capacity.untracked(extra)
         if extra > 0.01 * self._total and not self._warned_untracked:
             self._warned_untracked = True
             logger.warning("gemma4-kv: the CPU tier holds %d bytes more than its account "

@@ -11,7 +11,10 @@ have not answered within `L2_TASK_LIMIT_S` (a stuck NFS mount under `fs_native`,
 stopped answering) is given up: its locks go at once, and what it may still bring up is
 verified when first offered (`_unverified`); past `MAX_HUNG` of those the tier counts as
 down. `L2Prefetches` owns that state (each prefetch's own in `l2_prefetch.py`);
-`embedded.EmbeddedStore` holds one and asks it what L1 may offer.
+`embedded.EmbeddedStore` holds one and asks it what L1 may offer. It never touches the
+store's account (`capacity.Capacity`): what the account must learn (a prefetch landed,
+objects failed verification, a lookup is done) it returns as decisions
+(`l2_prefetch.Decision`), which the store applies.
 """
 
 from __future__ import annotations
@@ -19,14 +22,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from ..layout.groups import AttentionKind, KVLayout
 from ..layout.plan import hit_chunks, window_chunks
 from ..layout import integrity
-from .base import HIGH, ChunkKey, Prefetch
-from .l2_prefetch import Check, L2Prefetch, Stage
-from .capacity import Capacity, EndSpec, hit_end
+from .base import ChunkKey, Prefetch
+from .l2_prefetch import Check, Decision, Done, L2Prefetch, Landed, Rejected, Stage
 from .lmcache import StorageLayer
 from .verifier import Entry, Verifier
 
@@ -49,21 +51,20 @@ before every lookup, on the lookup thread, and a stuck tier should not slow it d
 class L2Prefetches:
     """The embedded store's L2 reads and their state: prefetches in flight or given up,
     and the keys of L1 they leave untrusted, bad or unverified. It is handed L1 (`tier`),
-    the store's account (`capacity`), the objects' layouts and sizes per group, and how
-    the store names (`key`, `namespace`) and deletes (`delete`) objects; the store asks
-    it what L1 may offer (`resident`, `withheld`) and tells it what left L1. Objects a
-    prefetch brought up are verified by its `Verifier`, off the lookup thread."""
+    the objects' layouts and sizes per group and the rank whose keys it builds; every
+    call that names objects takes the store's current `namespace`. The store asks it
+    what L1 may offer (`resident`, `withheld`), tells it what left L1, and applies the
+    decisions it returns. Objects a prefetch brought up are verified by its `Verifier`,
+    off the lookup thread. Lookup thread only (but `stored`, `left_l1`: the store calls
+    them under no lock of its own from the model thread; they only update sets)."""
 
-    def __init__(self, tier: StorageLayer, capacity: Capacity, layout: KVLayout,
-                 chunk_size: int, *, layouts: dict[int, object], sizes: dict[int, int],
-                 key: Callable[[bytes, int], object], namespace: Callable[[], str],
-                 delete: Callable[[Sequence[ChunkKey]], None], verify: bool = True,
-                 stats=None):
-        self._tier, self._capacity = tier, capacity
+    def __init__(self, tier: StorageLayer, layout: KVLayout, chunk_size: int, *,
+                 layouts: dict[int, object], sizes: dict[int, int], kv_rank: int = 0,
+                 verify: bool = True):
+        self._tier = tier
         self._layout, self._chunk_size = layout, chunk_size
         self._layouts, self._bytes = layouts, sizes
-        self._key, self._namespace, self._delete = key, namespace, delete
-        self._verify, self._stats = verify, stats
+        self._kv_rank, self._verify = kv_rank, verify
         self._groups = [g.group_id for g in layout.groups]
         self._windows = {g.group_id: window_chunks(g, chunk_size) for g in layout.groups}
         self._full = [g.group_id for g in layout.groups if g.kind is AttentionKind.FULL]
@@ -74,13 +75,26 @@ class L2Prefetches:
         self._hung_keys: Counter = Counter()  # what those may still bring up from L2
         self._unverified: set = set()  # keys a given-up prefetch may bring up unverified
         self._verifier = Verifier()
+        self._decided: list[Decision] = []  # of the call running; returned by it
+
+    def _key(self, chunk_hash: bytes, gid: int, namespace: str):
+        return self._tier.key(chunk_hash, namespace, self._kv_rank, gid)
+
+    def _take(self) -> list[Decision]:
+        out, self._decided = self._decided, []
+        return out
 
     # -- what L1 may offer ------------------------------------------------------------
-    def resident(self, chain: Sequence[bytes]) -> dict[int, set[int]]:
+    def resident(self, chain: Sequence[bytes],
+                 namespace: str) -> tuple[dict[int, set[int]], list[Decision]]:
         """Per group id, the chunk indices whose object sits in L1 and may be offered
-        (not possibly brought up by an unverified prefetch, not known bad)."""
+        (not possibly brought up by an unverified prefetch, not known bad); and what
+        verifying objects a given-up prefetch brought up decided."""
+        return self._resident(chain, namespace), self._take()
+
+    def _resident(self, chain: Sequence[bytes], namespace: str) -> dict[int, set[int]]:
         out = {}
-        rows = [(gid, [self._key(h, gid) for h in chain], self._layouts[gid])
+        rows = [(gid, [self._key(h, gid, namespace) for h in chain], self._layouts[gid])
                 for gid in self._groups]
         for (gid, keys, _), present in zip(rows, self._tier.resident_rows(rows)):
             if self._unverified:
@@ -140,39 +154,23 @@ class L2Prefetches:
         return len(self._hung) < MAX_HUNG
 
     # -- reads: L2 --------------------------------------------------------------------
-    def start_prefetch(self, chain: Sequence[bytes], start: int, limit: int) -> Prefetch:
+    def start_prefetch(self, chain: Sequence[bytes], start: int, limit: int,
+                       namespace: str, owner: str, ask: bool) -> Prefetch:
         """Ask the L2 tiers for the longest prefix of `chain` they can serve, without
         waiting: LMCache loads what it needs into L1 (each sliding group only its window
-        before each chunk end). Room is made first for the hit asked for (it may evict
-        what a save of it could); without room, or while the tier is stuck (`tier_up`),
-        nothing is asked."""
+        before each chunk end). Without `ask` (the store has no room for it: it made the
+        room, set apart for `owner`, first) nothing is asked: it is finished at once."""
         p = L2Prefetch(time.monotonic(), chain=tuple(chain), start=start, limit=limit,
-                      namespace=self._namespace())
-        asked = hit_end(self._layout, self._chunk_size, chain, limit, HIGH)
-        if not self.tier_up() or not self._make_room(asked, p.owner):
+                       namespace=namespace, owner=owner)
+        if not ask:
             p.finished, p.stage = True, Stage.DONE
             return p
-        self._submit(p, [([(gid, list(chain)) for gid in self._groups], "prefix")])
+        self._submit(p, [([(gid, list(chain)) for gid in self._groups], "prefix")],
+                     namespace)
         return p
 
-    def _make_room(self, asked: EndSpec, owner: str) -> bool:
-        """Room in L1 for what a prefetch of `asked` may bring up, set apart for it
-        (`owner`) until it settles."""
-        ok, garbage = self._capacity.room(self._missing_bytes(asked), asked.key, owner)
-        self._delete(garbage)
-        return ok
-
-    def _missing_bytes(self, asked: EndSpec) -> int:
-        return sum(self._bytes[cell[1]] for cell in asked.cells
-                   if cell not in self._capacity)
-
-    def fetch_bytes(self, chain: Sequence[bytes], start: int, limit: int) -> int:
-        """Bytes of the objects a hit of `limit` tokens needs that L1 lacks."""
-        return self._missing_bytes(hit_end(self._layout, self._chunk_size, chain, limit,
-                                           HIGH))
-
-    def _submit(self, p: L2Prefetch, tasks) -> None:
-        planned = [(policy, [(gid, hs, [self._key(h, gid) for h in hs])
+    def _submit(self, p: L2Prefetch, tasks, namespace: str) -> None:
+        planned = [(policy, [(gid, hs, [self._key(h, gid, namespace) for h in hs])
                              for gid, hs in rows])
                    for rows, policy in tasks]
         keys = [k for _, rows in planned for _, _, ks in rows for k in ks]
@@ -194,20 +192,22 @@ class L2Prefetches:
     def in_flight(self) -> bool:
         return bool(self._inflight)
 
-    def poll(self) -> None:
+    def poll(self, namespace: str) -> list[Decision]:
         """Settle every finished prefetch: verify what it loaded from L2, drop what fails,
         release its locks (also of prefetches whose lookup gave up waiting). LMCache's
         prefix fetch serves chunk ends: a hit ending inside a chunk may need one more
         window chunk, and an object that failed leaves a shorter hit that needs other
-        window chunks; up to two targeted fetches follow (`_next_fetch`)."""
+        window chunks; up to two targeted fetches follow (`_next_fetch`). Returns what
+        the store's account must learn, in order."""
         self._poll_hung()
         now = time.monotonic()
         for p in self._inflight:
-            self._advance(p, now)
+            self._advance(p, now, namespace)
         self._inflight = [p for p in self._inflight
                           if p.stage in (Stage.FETCHING, Stage.VERIFYING)]
+        return self._take()
 
-    def _advance(self, p: L2Prefetch, now: float) -> None:
+    def _advance(self, p: L2Prefetch, now: float, namespace: str) -> None:
         """Move one prefetch on as far as it goes without waiting: its tasks answered,
         its objects handed to the verifier (once it has room), their verdicts taken, the
         next round asked or the prefetch done. The one place its stage changes."""
@@ -226,8 +226,8 @@ class L2Prefetches:
         if p.stage is Stage.VERIFYING:
             if not p.check.batch.done():
                 return
-            self._settle(p)
-            missing = self._next_fetch(p) if p.rounds < 3 else []
+            self._settle(p, namespace)
+            missing = self._next_fetch(p, namespace) if p.rounds < 3 else []
             if missing:
                 p.rounds += 1
                 p.asked.update(missing)
@@ -235,7 +235,8 @@ class L2Prefetches:
                 for h, gid in missing:
                     per_group.setdefault(gid, []).append(h)
                 p.tasks, p.results = [], []
-                self._submit(p, [([(gid, hs)], "full") for gid, hs in per_group.items()])
+                self._submit(p, [([(gid, hs)], "full") for gid, hs in per_group.items()],
+                             namespace)
                 p.stage = Stage.FETCHING
             else:
                 p.finished, p.finished_at = True, time.monotonic()
@@ -250,7 +251,7 @@ class L2Prefetches:
         answer, a key of it that leaves L1 is marked again (`left_l1`). Its tasks are
         still polled: what they lock when they answer is unlocked then."""
         self._tier.unlock(p.held)
-        self._capacity.landed(p.owner)  # what lands later is outside the account
+        self._decided.append(Landed(p.owner, gave_up=True))  # what lands later: untracked
         p.hung_keys = p.held + p.untrusted
         self._unverified.update(p.hung_keys)
         self._hung_keys.update(p.hung_keys)
@@ -258,8 +259,6 @@ class L2Prefetches:
         self._maybe_untrusted += Counter()
         p.held, p.untrusted, p.finished = [], [], True
         self._hung.append(p)
-        if self._stats is not None:
-            self._stats.add("hung_l2_prefetches", 1)
         logger.warning("gemma4-kv: an L2 prefetch did not answer within %.0f s (a stuck "
                        "tier or mount?): given up, its locks released; what it brings up "
                        "later is verified before use", L2_TASK_LIMIT_S)
@@ -304,19 +303,17 @@ class L2Prefetches:
         self._bad.update(bad)
         self._unverified.difference_update(bad)
         self._tier.delete_everywhere(bad)
-        self._capacity.dropped([(k.chunk_hash, k.object_group_id) for k in bad])
-        if self._stats is not None:
-            self._stats.add("rejected_objects", len(bad))
+        self._decided.append(Rejected(tuple((k.chunk_hash, k.object_group_id) for k in bad)))
         logger.warning("gemma4-kv: %d object(s) from an L2 tier failed verification "
                        "(corrupt, truncated or foreign): dropped, recomputed instead",
                        len(bad))
 
-    def _next_fetch(self, p: L2Prefetch) -> list[ChunkKey]:
+    def _next_fetch(self, p: L2Prefetch, namespace: str) -> list[ChunkKey]:
         """What L1 lacks of the longest hit (at most `p.limit`) still within reach: one
         whose full-attention chunks L1 holds (the prefix fetch brought every one L2 had)
         and none of whose objects is known bad or was asked for in vain. Nothing if that
         hit is servable already."""
-        resident = self.resident(p.chain)
+        resident = self._resident(p.chain, namespace)
         c = self._chunk_size
         for end in sorted({p.limit} | set(range(c, p.limit, c)), reverse=True):
             if end <= p.start:
@@ -325,7 +322,7 @@ class L2Prefetches:
             if any(ch not in resident[g] for g, ch in cells if g in self._full):
                 continue
             keys = [(p.chain[ch], g) for g, ch in cells if ch not in resident[g]]
-            if any(k in p.asked or self.is_bad(self._key(*k)) for k in keys):
+            if any(k in p.asked or self.is_bad(self._key(*k, namespace)) for k in keys):
                 continue
             return keys
         return []
@@ -357,7 +354,7 @@ class L2Prefetches:
         batch = self._verifier.submit([self._object(k, h, gid) for k, h, gid, _ in items])
         return Check(locked, stray_keys, items, batch)
 
-    def _settle(self, p: L2Prefetch) -> None:
+    def _settle(self, p: L2Prefetch, namespace: str) -> None:
         """Take the verdicts of a prefetch's objects (its check is done): the good ones
         are kept and offered, the bad dropped everywhere; every lock it held goes."""
         check, bad, landed, stray_landed = p.check, [], {}, {}
@@ -370,13 +367,13 @@ class L2Prefetches:
                 bad.append(key)
             else:  # not verified: verified again before it is ever offered
                 self._unverified.add(key)
-        self._capacity.landed(p.owner)
-        if p.namespace == self._namespace():
+        if p.namespace == namespace:
             # Tracked from now on: the hit's objects are held for the lookup's pin (if
             # it still waits), what no hit needs is deleted (strays at once).
-            self._capacity.kept({**landed, **stray_landed})
-            if not p.done_with:
-                self._capacity.hold(p.owner, landed)
+            self._decided.append(Landed(p.owner, kept=(*landed, *stray_landed),
+                                        held=() if p.done_with else tuple(landed)))
+        else:
+            self._decided.append(Landed(p.owner))
         p.loaded_bytes += sum(landed.values())
         self._tier.unlock(check.locked + check.strays)
         self._tier.unlock(p.held)
@@ -410,12 +407,13 @@ class L2Prefetches:
         obj = self._object(key, chunk_hash, gid)
         return integrity.verify(*obj) if isinstance(obj, tuple) else obj
 
-    def finish_prefetch(self, prefetch: Prefetch) -> None:
+    def finish_prefetch(self, prefetch: Prefetch) -> list[Decision]:
         """The lookup is done with this prefetch (it pinned its hit, or gave up): what it
-        brought up and no hit holds goes."""
-        if isinstance(prefetch, L2Prefetch):
-            prefetch.done_with = True
-            self._delete(self._capacity.finished(prefetch.owner))
+        brought up and no hit holds goes (`Done`)."""
+        if not isinstance(prefetch, L2Prefetch):
+            return []
+        prefetch.done_with = True
+        return [Done(prefetch.owner)]
 
     def close(self) -> None:
         """Stop verifying (after the verifications running end)."""

@@ -1,5 +1,6 @@
 """One L2 prefetch of the embedded store (`embedded_l2.L2Prefetches`): the LMCache
-tasks of one lookup, what it holds until it settles, and where it is (`Stage`)."""
+tasks of one lookup, what it holds until it settles, and where it is (`Stage`); and the
+decisions L2 work hands back to the store, the one owner of its account (`Decision`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,40 @@ import enum
 import uuid
 from dataclasses import dataclass, field
 
-from .base import Prefetch
+from .base import ChunkKey, Prefetch
 from .verifier import Batch
+
+
+@dataclass(frozen=True)
+class Landed:
+    """A prefetch settled or was given up: the room promised to `owner` is no longer set
+    apart. `kept`: objects it brought into L1, tracked from now on; `held`: those kept
+    for its lookup's pin until `Done`. Both empty if it was given up (`gave_up`: what
+    lands later stays untracked) or the store moved to a new generation meanwhile."""
+
+    owner: str
+    kept: tuple[ChunkKey, ...] = ()
+    held: tuple[ChunkKey, ...] = ()
+    gave_up: bool = False
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """Objects whose L2 copy failed verification, deleted from every tier already: the
+    hits that need them cannot serve."""
+
+    cells: tuple[ChunkKey, ...]
+
+
+@dataclass(frozen=True)
+class Done:
+    """The lookup is done with the prefetch of `owner`: what it holds for it may go."""
+
+    owner: str
+
+
+Decision = Landed | Rejected | Done
+"""What L2 work decided that the store's account (`capacity.Capacity`) must learn."""
 
 
 class Stage(enum.Enum):
