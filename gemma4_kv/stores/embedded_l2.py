@@ -28,7 +28,8 @@ from ..layout.groups import AttentionKind, KVLayout
 from ..layout.plan import hit_chunks, window_chunks
 from ..layout import integrity
 from .base import ChunkKey, Prefetch
-from .l2_prefetch import Check, Decision, Done, L2Prefetch, Landed, Rejected, Stage
+from .l2_prefetch import (Check, Decision, L2Prefetch, Landed, Rejected, Round, Rounds,
+                          Settled, Stage)
 from .lmcache import StorageLayer
 from .verifier import Entry, Verifier
 
@@ -48,7 +49,7 @@ HUNG_POLL_BATCH = 8
 before every lookup, on the lookup thread, and a stuck tier should not slow it down."""
 
 
-class L2Prefetches:
+class L2Prefetches(Rounds):
     """The embedded store's L2 reads and their state: prefetches in flight or given up,
     and the keys of L1 they leave untrusted, bad or unverified. It is handed L1 (`tier`),
     the objects' layouts and sizes per group and the rank whose keys it builds; every
@@ -161,15 +162,40 @@ class L2Prefetches:
         before each chunk end). Without `ask` (the store has no room for it: it made the
         room, set apart for `owner`, first) nothing is asked: it is finished at once."""
         p = L2Prefetch(time.monotonic(), chain=tuple(chain), start=start, limit=limit,
-                       namespace=namespace, owner=owner)
-        if not ask:
-            p.finished, p.stage = True, Stage.DONE
-            return p
-        self._submit(p, [([(gid, list(chain)) for gid in self._groups], "prefix")],
-                     namespace)
+                       namespace=namespace, owner=owner,
+                       stage=Stage.FETCHING if ask else Stage.DONE, finished=not ask)
+        if ask:
+            p.ask(self, [([(gid, list(chain)) for gid in self._groups], "prefix")],
+                  namespace)
+            self._inflight.append(p)
         return p
 
-    def _submit(self, p: L2Prefetch, tasks, namespace: str) -> None:
+    def in_flight(self) -> bool:
+        return bool(self._inflight)
+
+    def poll(self, namespace: str) -> list[Decision]:
+        """Move every prefetch on (`L2Prefetch.advance`): verify what it loaded from L2,
+        drop what fails, release its locks (also of prefetches whose lookup gave up
+        waiting). LMCache's prefix fetch serves chunk ends: a hit ending inside a chunk
+        may need one more window chunk, and an object that failed leaves a shorter hit
+        that needs other window chunks; up to two targeted rounds follow (`next_fetch`).
+        Given-up prefetches are asked about `HUNG_POLL_BATCH` at a time, the longest
+        unasked first (each within `MAX_HUNG / HUNG_POLL_BATCH` polls). Returns what the
+        store's account must learn, in order."""
+        now = time.monotonic()
+        for _ in range(min(HUNG_POLL_BATCH, len(self._hung))):
+            p = self._hung.popleft()
+            p.advance(self, now, namespace, L2_TASK_LIMIT_S)
+            if p.stage is Stage.GIVEN_UP:
+                self._hung.append(p)
+        for p in self._inflight:
+            p.advance(self, now, namespace, L2_TASK_LIMIT_S)
+        self._inflight = [p for p in self._inflight
+                          if p.stage in (Stage.FETCHING, Stage.VERIFYING)]
+        return self._take()
+
+    # -- `Rounds`: what a prefetch asks of its holder ------------------------------------
+    def submit(self, tasks: list, namespace: str) -> Round:
         planned = [(policy, [(gid, hs, [self._key(h, gid, namespace) for h in hs])
                              for gid, hs in rows])
                    for rows, policy in tasks]
@@ -177,72 +203,23 @@ class L2Prefetches:
         held = [ks[i] for _, rows in planned for gid, _, ks in rows
                 for i in self._tier.resident(gid, ks, self._layouts[gid], True)]
         before = set(held)
-        p.held += held
-        p.untrusted += [k for k in keys if k not in before]
-        self._maybe_untrusted.update(k for k in keys if k not in before)
+        untrusted = [k for k in keys if k not in before]
+        self._maybe_untrusted.update(untrusted)
+        submitted = []
         for policy, rows in planned:
             handle = self._tier.prefetch(
                 [(gid, ks, self._layouts[gid], self._windows[gid] if policy == "prefix"
                   else -1) for gid, _, ks in rows], policy)
-            p.tasks.append((handle, rows))
-            p.results.append(None)
-        if p not in self._inflight:
-            self._inflight.append(p)
+            submitted.append((handle, rows))
+        return Round(submitted, held, untrusted)
 
-    def in_flight(self) -> bool:
-        return bool(self._inflight)
+    def outcome(self, handle) -> object | None:
+        return self._tier.prefetch_outcome(handle)
 
-    def poll(self, namespace: str) -> list[Decision]:
-        """Settle every finished prefetch: verify what it loaded from L2, drop what fails,
-        release its locks (also of prefetches whose lookup gave up waiting). LMCache's
-        prefix fetch serves chunk ends: a hit ending inside a chunk may need one more
-        window chunk, and an object that failed leaves a shorter hit that needs other
-        window chunks; up to two targeted fetches follow (`_next_fetch`). Returns what
-        the store's account must learn, in order."""
-        self._poll_hung()
-        now = time.monotonic()
-        for p in self._inflight:
-            self._advance(p, now, namespace)
-        self._inflight = [p for p in self._inflight
-                          if p.stage in (Stage.FETCHING, Stage.VERIFYING)]
-        return self._take()
+    def can_verify(self) -> bool:
+        return self._verifier.has_room()
 
-    def _advance(self, p: L2Prefetch, now: float, namespace: str) -> None:
-        """Move one prefetch on as far as it goes without waiting: its tasks answered,
-        its objects handed to the verifier (once it has room), their verdicts taken, the
-        next round asked or the prefetch done. The one place its stage changes."""
-        if p.stage is Stage.FETCHING:
-            for i, (handle, _) in enumerate(p.tasks):
-                if p.results[i] is None:
-                    p.results[i] = self._tier.prefetch_outcome(handle)
-            if any(r is None for r in p.results):
-                if now - p.started > L2_TASK_LIMIT_S:
-                    self._give_up(p)
-                    p.stage = Stage.GIVEN_UP
-                return
-            if not self._verifier.has_room():
-                return  # asked again at the next poll
-            p.check, p.stage = self._start_check(p), Stage.VERIFYING
-        if p.stage is Stage.VERIFYING:
-            if not p.check.batch.done():
-                return
-            self._settle(p, namespace)
-            missing = self._next_fetch(p, namespace) if p.rounds < 3 else []
-            if missing:
-                p.rounds += 1
-                p.asked.update(missing)
-                per_group: dict[int, list[bytes]] = {}
-                for h, gid in missing:
-                    per_group.setdefault(gid, []).append(h)
-                p.tasks, p.results = [], []
-                self._submit(p, [([(gid, hs)], "full") for gid, hs in per_group.items()],
-                             namespace)
-                p.stage = Stage.FETCHING
-            else:
-                p.finished, p.finished_at = True, time.monotonic()
-                p.stage = Stage.DONE
-
-    def _give_up(self, p: L2Prefetch) -> None:
+    def give_up(self, job: L2Prefetch, held: list, untrusted: list) -> None:
         """Stop waiting for a prefetch whose tasks do not answer: its read locks go, and
         everything its tasks may still bring up into L1 is verified before it is offered.
         That is every key it asked for, those L1 held when it started too: LMCache may
@@ -250,36 +227,24 @@ class L2Prefetches:
         evicted meanwhile is looked up and loaded from L2 when it does. Until its tasks
         answer, a key of it that leaves L1 is marked again (`left_l1`). Its tasks are
         still polled: what they lock when they answer is unlocked then."""
-        self._tier.unlock(p.held)
-        self._decided.append(Landed(p.owner, gave_up=True))  # what lands later: untracked
-        p.hung_keys = p.held + p.untrusted
-        self._unverified.update(p.hung_keys)
-        self._hung_keys.update(p.hung_keys)
-        self._maybe_untrusted.subtract(p.untrusted)
+        self._tier.unlock(held)
+        self._decided.append(Landed(job.owner, gave_up=True))  # what lands later: untracked
+        self._unverified.update(job.hung_keys)
+        self._hung_keys.update(job.hung_keys)
+        self._maybe_untrusted.subtract(untrusted)
         self._maybe_untrusted += Counter()
-        p.held, p.untrusted, p.finished = [], [], True
-        self._hung.append(p)
+        self._hung.append(job)
         logger.warning("gemma4-kv: an L2 prefetch did not answer within %.0f s (a stuck "
                        "tier or mount?): given up, its locks released; what it brings up "
                        "later is verified before use", L2_TASK_LIMIT_S)
 
-    def _poll_hung(self) -> None:
-        """Unlock what given-up prefetches locked, once their tasks answer at last. Asks
-        about `HUNG_POLL_BATCH` of them per call, the longest unasked first (each is
-        asked within `MAX_HUNG / HUNG_POLL_BATCH` polls)."""
-        for _ in range(min(HUNG_POLL_BATCH, len(self._hung))):
-            p = self._hung.popleft()
-            for i, (handle, _) in enumerate(p.tasks):
-                if p.results[i] is None:
-                    p.results[i] = self._tier.prefetch_outcome(handle)
-            if any(r is None for r in p.results):
-                self._hung.append(p)
-                continue
-            self._tier.unlock([keys[i] for (_, rows), result in zip(p.tasks, p.results)
-                               for row, (_, _, keys) in enumerate(rows)
-                               for i in result.hit[row]])
-            self._hung_keys.subtract(p.hung_keys)
-            self._hung_keys += Counter()  # drop zero counts
+    def hung_answered(self, job: L2Prefetch) -> None:
+        """Unlock what a given-up prefetch's tasks locked, now that they answered."""
+        self._tier.unlock([keys[i] for (_, rows), result in zip(job.tasks, job.results)
+                           for row, (_, _, keys) in enumerate(rows)
+                           for i in result.hit[row]])
+        self._hung_keys.subtract(job.hung_keys)
+        self._hung_keys += Counter()  # drop zero counts
 
     def _check_unverified(self, gid: int, keys: list, present: list[int]) -> None:
         """Verify the objects among `keys[present]` (in L1) that a given-up prefetch may
@@ -308,7 +273,7 @@ class L2Prefetches:
                        "(corrupt, truncated or foreign): dropped, recomputed instead",
                        len(bad))
 
-    def _next_fetch(self, p: L2Prefetch, namespace: str) -> list[ChunkKey]:
+    def next_fetch(self, p: L2Prefetch, namespace: str) -> list[ChunkKey]:
         """What L1 lacks of the longest hit (at most `p.limit`) still within reach: one
         whose full-attention chunks L1 holds (the prefix fetch brought every one L2 had)
         and none of whose objects is known bad or was asked for in vain. Nothing if that
@@ -327,12 +292,12 @@ class L2Prefetches:
             return keys
         return []
 
-    def _start_check(self, p: L2Prefetch) -> Check:
+    def check(self, p: L2Prefetch) -> Check:
         """Hand what the prefetch's tasks brought up to the verifier: the hit's objects
         loaded from L2 (locked by the tasks), and strays, objects it brought into L1 but
         left out of the hit it reports (LMCache keeps them there unlocked, e.g. those
         past a value that failed to load, which ends a prefix): locked here, so none is
-        deleted while it is read. All stay locked and withheld until `_settle`."""
+        deleted while it is read. All stay locked and withheld until `settle`."""
         locked, items, strays, held = [], [], {}, set(p.held)
         for (_, rows), result in zip(p.tasks, p.results):
             for row, (gid, hashes, keys) in enumerate(rows):
@@ -354,15 +319,13 @@ class L2Prefetches:
         batch = self._verifier.submit([self._object(k, h, gid) for k, h, gid, _ in items])
         return Check(locked, stray_keys, items, batch)
 
-    def _settle(self, p: L2Prefetch, namespace: str) -> None:
+    def settle(self, p: L2Prefetch, namespace: str) -> Settled:
         """Take the verdicts of a prefetch's objects (its check is done): the good ones
         are kept and offered, the bad dropped everywhere; every lock it held goes."""
         check, bad, landed, stray_landed = p.check, [], {}, {}
         for (key, h, gid, stray), ok in zip(check.items, check.batch.result()):
             if ok:
                 (stray_landed if stray else landed)[(h, gid)] = self._bytes[gid]
-                if not stray:
-                    p.loaded.add((h, gid))
             elif ok is False:
                 bad.append(key)
             else:  # not verified: verified again before it is ever offered
@@ -374,15 +337,13 @@ class L2Prefetches:
                                         held=() if p.done_with else tuple(landed)))
         else:
             self._decided.append(Landed(p.owner))
-        p.loaded_bytes += sum(landed.values())
         self._tier.unlock(check.locked + check.strays)
         self._tier.unlock(p.held)
         if bad:
-            p.rejected += len(bad)
             self._drop_bad(bad)
         self._maybe_untrusted.subtract(p.untrusted)
         self._maybe_untrusted += Counter()  # drop zero counts
-        p.held, p.untrusted, p.check = [], [], None
+        return Settled(landed, len(bad))
 
     def _object(self, key, chunk_hash: bytes, gid: int) -> Entry:
         """The object in L1 as the verifier takes it, (KV, trailer, key value); True if
@@ -410,10 +371,7 @@ class L2Prefetches:
     def finish_prefetch(self, prefetch: Prefetch) -> list[Decision]:
         """The lookup is done with this prefetch (it pinned its hit, or gave up): what it
         brought up and no hit holds goes (`Done`)."""
-        if not isinstance(prefetch, L2Prefetch):
-            return []
-        prefetch.done_with = True
-        return [Done(prefetch.owner)]
+        return [prefetch.finish()] if isinstance(prefetch, L2Prefetch) else []
 
     def close(self) -> None:
         """Stop verifying (after the verifications running end)."""
