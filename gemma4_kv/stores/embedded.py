@@ -32,7 +32,7 @@ from ..layout.plan import hit_chunks
 from ..layout import integrity
 from .base import (HIGH, LOW, ChunkKey, ChunkStore, ChunkWrite, Pinned, Prefetch,
                    Reservation, StoreCapabilities)
-from .capacity import Capacity, EndSpec, hit_end
+from .capacity import Capacity, EndKey, EndSpec, hit_end
 from .config import StoreConfig
 from . import lmcache_codec
 from .embedded_l2 import L2Prefetches
@@ -71,6 +71,17 @@ def object_layouts(layout: KVLayout, chunk_size: int, allocated) -> dict[int, tu
             shapes, dtypes = shapes + [torch.Size([want - raw])], dtypes + [torch.uint8]
         out[gid] = (shapes, dtypes)
     return out
+
+
+@dataclass(frozen=True)
+class EmbeddedPin:
+    """What `EmbeddedStore.pin` holds for one hit, in its `Pinned.handles` (alone):
+    the generation it was pinned in, the keys it read-locked in L1, and the hit's end
+    in the account (`Capacity.served`, given back by `Capacity.unpinned`)."""
+
+    namespace: str
+    keys: tuple
+    end: EndKey
 
 
 @dataclass
@@ -199,22 +210,24 @@ class EmbeddedStore(ChunkStore):
         The hit counts as asked for once more by `req_id` (`Capacity.served`)."""
         cells = [(chain[c], g) for g, c in hit_chunks(self.layout, start, hit, self.chunk_size)]
         locked: list = []
-        pinned = done = None
+        done = None
         try:
-            pinned = self._lock_and_view(cells, locked)
-            if pinned is not None:
+            views = self._lock_and_view(cells, locked)
+            if views is not None:
                 end = self._end(chain, hit, 1)
+                handle = EmbeddedPin(self.namespace, tuple(locked), end.key)
                 self.capacity.served(end, self._sizes(end.cells), create=start == 0,
                                      req_id=req_id)
-                pinned.handles.append(end.key)
-            done = pinned
+                done = Pinned(views, [handle])
         finally:  # a miss, or a read that raised: none of its locks stays behind
             if done is None:
                 self.tier.unlock(locked)
         return done
 
-    def _lock_and_view(self, cells: list[ChunkKey], locked: list) -> Pinned | None:
-        """`pin`'s work; adds every key it read-locks to `locked` as soon as it is.
+    def _lock_and_view(self, cells: list[ChunkKey],
+                       locked: list) -> dict[ChunkKey, torch.Tensor] | None:
+        """`pin`'s work, the views of a hit's KV; adds every key it read-locks to
+        `locked` as soon as it is.
 
         Chunks are locked in one LMCache call per set of groups that reads them (a
         Gemma 4 hit has two: the sliding window's chunks, read by every group, and the
@@ -249,17 +262,21 @@ class EmbeddedStore(ChunkStore):
                                "another shape: treated as a miss", ck[1])
                 return None
             views[ck] = obj.kv
-        return Pinned(views, [self.namespace, list(locked)])
+        return views
 
     def release(self, pinned: Pinned | None) -> None:
+        """Give back what `pin` held; a `Pinned` of another store is a bug (TypeError)."""
         if pinned is None or not pinned.handles:
             return
-        namespace, keys, end = pinned.handles
-        pinned.handles = []
-        self.tier.unlock(keys)
-        self.capacity.unpinned(end)
-        if namespace != self.namespace:  # reset while loading: nothing tracks them now
-            self.tier.delete(keys)
+        if not all(isinstance(h, EmbeddedPin) for h in pinned.handles):
+            raise TypeError("gemma4-kv: the embedded store was handed a pin of another "
+                            f"store: {pinned.handles!r}")
+        handles, pinned.handles = pinned.handles, []
+        for h in handles:
+            self.tier.unlock(list(h.keys))
+            self.capacity.unpinned(h.end)
+            if h.namespace != self.namespace:  # reset while loading: nothing tracks them
+                self.tier.delete(list(h.keys))
 
     # -- writes -----------------------------------------------------------------------
     def reserve(self, write: ChunkWrite) -> Reservation:
