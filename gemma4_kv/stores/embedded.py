@@ -39,6 +39,7 @@ from .embedded_l2 import L2Prefetches
 from .l2_prefetch import Decision, Done, Landed, Rejected
 from .events import TIER_L1, TierEvents
 from .lmcache import StorageLayer
+from .stats import Stats
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,8 @@ class EmbeddedStore(ChunkStore):
     """Where L1's stores and removals are reported, if anyone publishes them."""
 
     def __init__(self, layout: KVLayout, fingerprint: str, chunk_size: int,
-                 config: StoreConfig | None = None, kv_rank: int = 0, stats=None):
+                 config: StoreConfig | None = None, kv_rank: int = 0,
+                 stats: Stats | None = None):
         config = StoreConfig() if config is None else config
         self.layout, self.fingerprint, self.chunk_size = layout, fingerprint, chunk_size
         self.namespace = fingerprint
