@@ -56,8 +56,8 @@ class L2Prefetches(Rounds):
     call that names objects takes the store's current `namespace`. The store asks it
     what L1 may offer (`resident`, `withheld`), tells it what left L1, and applies the
     decisions it returns. Objects a prefetch brought up are verified by its `Verifier`,
-    off the lookup thread. Lookup thread only (but `stored`, `left_l1`: the store calls
-    them under no lock of its own from the model thread; they only update sets)."""
+    off the lookup thread. Lookup thread, but for `stored` and `left_l1`, which the
+    store's writes call from the model thread (as before: their sets are not locked)."""
 
     def __init__(self, tier: StorageLayer, layout: KVLayout, chunk_size: int, *,
                  layouts: dict[int, object], sizes: dict[int, int], kv_rank: int = 0,
