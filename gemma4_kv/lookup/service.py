@@ -17,10 +17,13 @@ import math
 import threading
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..layout.groups import KVLayout
 from ..layout.plan import hit_chunks, servable_hits
 from ..stores.base import ChunkStore, Pinned, Prefetch
+from ..stores.stats import Stats
+from ..transfer.jobs import Record
 from . import messages
 from .wait import Rates, Wait, WaitPolicy
 
@@ -50,9 +53,17 @@ class _Pending:
     """When the lookup first asked the slower tier (its time counts from there)."""
 
 
+class LookupStats(Stats, Protocol):
+    """The counters a lookup adds to (`connector.metrics.Gemma4KVStats`)."""
+
+    def lookup(self, tokens: int, from_l2: int, seconds: float) -> None:
+        """One lookup answered: `tokens` of hit, `from_l2` of them from a slower tier."""
+
+
 class LookupService:
     def __init__(self, store: ChunkStore, layout: KVLayout, chunk_size: int,
-                 timeout_s: float, stats=None, record=None, rates: Rates | None = None,
+                 timeout_s: float, stats: LookupStats | None = None,
+                 record: Record | None = None, rates: Rates | None = None,
                  clock=time.monotonic):
         self.store, self.layout, self.chunk_size = store, layout, chunk_size
         self.stats, self.record = stats, record

@@ -30,6 +30,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from ..stores.stats import Stats
 from .rate_file import RateFile, entry_key
 
 logger = logging.getLogger(__name__)
@@ -137,7 +138,8 @@ class WaitPolicy:
     """Budgets of lookups that wait for a slower tier, and the pause after repeated
     give-ups. Used on the lookup thread only (`Rates` is shared)."""
 
-    def __init__(self, timeout_s: float, rates: Rates | None = None, stats=None):
+    def __init__(self, timeout_s: float, rates: Rates | None = None,
+                 stats: Stats | None = None):
         self.timeout_s = timeout_s
         self.rates = rates or Rates()
         self.stats = stats

@@ -83,10 +83,13 @@ class _End:
 
 
 class Capacity:
-    def __init__(self, limit: int, *, window_share: float = 0.05,
+    """The account of one tier of `total` bytes; its owner (`embedded.EmbeddedStore`)
+    asks it what to evict and tells it what was stored, loaded or lost."""
+
+    def __init__(self, total: int, *, window_share: float = 0.05,
                  protected_share: float = 0.8, min_sample: int = 1024,
                  ties_admit: bool = False):
-        self.limit = limit
+        self._total = self._limit = total
         self._lock = threading.RLock()
         self._ends: dict[EndKey, _End] = {}
         self._users: dict[ObjKey, set[EndKey]] = {}  # ends (pending or live) needing it
@@ -96,10 +99,20 @@ class Capacity:
         self._requests: dict[str, set[EndKey]] = {}  # ends each saving request planned
         self._at: dict[bytes, set[EndKey]] = {}  # ends by the hash of their last chunk
         self._promised: dict[str, int] = {}  # room made for lookups in flight, by owner
-        self._rank = Ranking(self._ends, lambda: self.limit, window_share=window_share,
-                             protected_share=protected_share, min_sample=min_sample,
-                             ties_admit=ties_admit)
+        self._rank = Ranking(window_share=window_share, protected_share=protected_share,
+                             min_sample=min_sample, ties_admit=ties_admit)
         self.used = 0
+
+    @property
+    def limit(self) -> int:
+        """Bytes the account may give: the tier's, less what it holds untracked."""
+        return self._limit
+
+    def untracked(self, nbytes: int) -> None:
+        """The tier holds `nbytes` beyond the account (objects a reader still holds,
+        allocation overhead): room the account cannot give, left out of its limit."""
+        with self._lock:
+            self._limit = self._total - nbytes
 
     # -- what is stored ---------------------------------------------------------------
     def live_ends(self) -> dict[EndKey, str]:
@@ -136,9 +149,9 @@ class Capacity:
                     continue
                 new = sum(sizes.get(c, 0) for c in set(spec.cells)
                           if c not in self._objects and not self._users.get(c))
-                short = planned + new - (self.limit - self.used)
+                short = planned + new - (self._limit - self.used)
                 if short > 0 and self._rank.victims(short, spec.cls, self.frequency(spec.key),
-                                                    new, self._alone) is None:
+                                                    new, self._alone, self._limit) is None:
                     continue
                 planned += new
                 self._add(_End(spec.key, spec.cls, frozenset(spec.cells), {req_id}))
@@ -167,11 +180,12 @@ class Capacity:
                 if not keys:
                     continue
                 need = sum(sizes[k] for k in keys)
-                short = need - (self.limit - self.used - sum(sizes[k] for k in granted))
+                short = need - (self._limit - self.used - sum(sizes[k] for k in granted))
                 ends = [e for e in mine if e.cls == cls] if cls == LOW else mine
                 best = max(ends, key=lambda e: (e.cls, self.frequency(e.key)), default=None)
                 victims = [] if short <= 0 else None if best is None else self._rank.victims(
-                    short, best.cls, self.frequency(best.key), need, self._alone)
+                    short, best.cls, self.frequency(best.key), need, self._alone,
+                    self._limit)
                 if victims is None:
                     for end in (mine if cls == HIGH else ends):
                         if end.key in self._ends:
@@ -182,7 +196,7 @@ class Capacity:
                 for end in victims:
                     self._evict(end)
                 granted += keys
-            self._rank.balance_window()
+            self._rank.balance_window(self._limit)
             return granted, self._take_garbage()
 
     def reserved(self, sizes: dict[ObjKey, int]) -> None:
@@ -274,7 +288,7 @@ class Capacity:
                 end.shared = self._has_longer(end)
                 self._promote(end)
             else:
-                self._rank.touch(end)
+                self._rank.touch(end, self._limit)
 
     def unpinned(self, key: EndKey) -> None:
         with self._lock:
@@ -294,11 +308,11 @@ class Capacity:
         lookups in flight at once do not count it free (their objects would find no
         room in L1 when LMCache loads them)."""
         with self._lock:
-            short = nbytes - (self.limit - self.used - sum(self._promised.values()))
+            short = nbytes - (self._limit - self.used - sum(self._promised.values()))
             ok = short <= 0
             if not ok:
                 victims = self._rank.victims(short, HIGH, self.frequency(asked) + 1,
-                                             nbytes, self._alone)
+                                             nbytes, self._alone, self._limit)
                 for end in victims or ():
                     self._evict(end)
                 ok = victims is not None
@@ -341,10 +355,12 @@ class Capacity:
     def clear(self) -> None:
         """Forget everything (the tier was emptied)."""
         with self._lock:
-            self.__init__(self.limit, window_share=self._rank.window_share,
+            limit = self._limit
+            self.__init__(self._total, window_share=self._rank.window_share,
                           protected_share=self._rank.protected_share,
                           min_sample=self._rank.min_sample,
                           ties_admit=self._rank.ties_admit)
+            self._limit = limit  # the tier still holds what it held untracked
 
     # -- policy -----------------------------------------------------------------------
     def _alone(self, end: _End, released: dict) -> int:
@@ -366,7 +382,7 @@ class Capacity:
     def _go_live(self, end: _End) -> None:
         end.live, end.owners = True, set()
         end.size = self._alone(end, {})
-        self._rank.enter(end)
+        self._rank.enter(end, self._limit)
         if end.cls == LOW:
             return
         for h in {h for h, _ in end.cells} - {end.key[0]}:
@@ -374,7 +390,7 @@ class Capacity:
                 older = self._ends[key]
                 if older.live and older.cls == HIGH and not older.shared:
                     older.cls = LOW  # superseded: a longer stored end passes through it
-                    self._rank.enter(older)
+                    self._rank.enter(older, self._limit)
 
     def _has_longer(self, end: _End) -> bool:
         """Whether a live end needs one of this end's last-chunk objects and goes further."""
@@ -386,7 +402,7 @@ class Capacity:
     def _promote(self, end: _End) -> None:
         end.cls = HIGH
         if end.live:
-            self._rank.enter(end)
+            self._rank.enter(end, self._limit)
 
     def _evict(self, end: _End) -> None:
         self._rank.remove(end.key)

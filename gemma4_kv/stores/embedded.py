@@ -7,7 +7,9 @@ LMCache's CPU pool (pinned when CUDA is present); L2 tiers (local disk `fs_nativ
 Redis/Valkey `valkey`, ...) sit behind it through LMCache's own adapters.
 
 What L1 keeps is decided here, not by LMCache's LRU: `capacity.Capacity` admits and
-evicts whole servable hits, and objects no hit can use are deleted at once.
+evicts whole servable hits, and objects no hit can use are deleted at once. The store is
+the account's one owner: the L2 half returns what the account must learn as decisions
+(`l2_prefetch.Decision`), which `_apply` carries out.
 
 What may fail is done before a hit is offered, never during its load:
 - an L2 lookup is an LMCache prefetch (`embedded_l2.L2Prefetches`, which the store
@@ -30,12 +32,14 @@ from ..layout.plan import hit_chunks
 from ..layout import integrity
 from .base import (HIGH, LOW, ChunkKey, ChunkStore, ChunkWrite, Pinned, Prefetch,
                    Reservation, StoreCapabilities)
-from .capacity import Capacity, EndSpec, hit_end
+from .capacity import Capacity, EndKey, EndSpec, hit_end
 from .config import StoreConfig
 from . import lmcache_codec
 from .embedded_l2 import L2Prefetches
+from .l2_prefetch import Decision, Done, Landed, Rejected
 from .events import TIER_L1, TierEvents
 from .lmcache import StorageLayer
+from .stats import Stats
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +74,17 @@ def object_layouts(layout: KVLayout, chunk_size: int, allocated) -> dict[int, tu
     return out
 
 
+@dataclass(frozen=True)
+class EmbeddedPin:
+    """What `EmbeddedStore.pin` holds for one hit, in its `Pinned.handles` (alone):
+    the generation it was pinned in, the keys it read-locked in L1, and the hit's end
+    in the account (`Capacity.served`, given back by `Capacity.unpinned`)."""
+
+    namespace: str
+    keys: tuple
+    end: EndKey
+
+
 @dataclass
 class _Reservation(Reservation):
     keys: list = field(default_factory=list)
@@ -81,7 +96,8 @@ class EmbeddedStore(ChunkStore):
     """Where L1's stores and removals are reported, if anyone publishes them."""
 
     def __init__(self, layout: KVLayout, fingerprint: str, chunk_size: int,
-                 config: StoreConfig | None = None, kv_rank: int = 0, stats=None):
+                 config: StoreConfig | None = None, kv_rank: int = 0,
+                 stats: Stats | None = None):
         config = StoreConfig() if config is None else config
         self.layout, self.fingerprint, self.chunk_size = layout, fingerprint, chunk_size
         self.namespace = fingerprint
@@ -100,10 +116,9 @@ class EmbeddedStore(ChunkStore):
         self.capacity = Capacity(self._total,
                                  ties_admit=config.capabilities.slow_tier)
         self._warned_untracked = False
-        self.l2 = L2Prefetches(self.tier, self.capacity, layout, chunk_size,
-                               layouts=self._layouts, sizes=self._bytes, key=self.key,
-                               namespace=lambda: self.namespace, delete=self._delete,
-                               verify=config.verify_checksums, stats=stats)
+        self.l2 = L2Prefetches(self.tier, layout, chunk_size, layouts=self._layouts,
+                               sizes=self._bytes, kv_rank=kv_rank,
+                               verify=config.verify_checksums)
 
     @property
     def capabilities(self) -> StoreCapabilities:
@@ -130,13 +145,27 @@ class EmbeddedStore(ChunkStore):
 
     # -- reads: L2 (`L2Prefetches`) ----------------------------------------------------
     def start_prefetch(self, chain: Sequence[bytes], start: int, limit: int) -> Prefetch:
-        return self.l2.start_prefetch(chain, start, limit)
+        """Room is made first for the hit asked for (it may evict what a save of it
+        could), set apart for the prefetch until it lands; without room, or while the
+        tier is stuck (`L2Prefetches.tier_up`), nothing is asked."""
+        owner = f"prefetch-{uuid.uuid4().hex}"
+        asked = self._end(chain, limit, HIGH)
+        ask = self.l2.tier_up()
+        if ask:
+            ask, garbage = self.capacity.room(self._missing_bytes(asked), asked.key, owner)
+            self._delete(garbage)
+        return self.l2.start_prefetch(chain, start, limit, self.namespace, owner, ask)
+
+    def _missing_bytes(self, asked: EndSpec) -> int:
+        return sum(self._bytes[cell[1]] for cell in asked.cells
+                   if cell not in self.capacity)
 
     def fetch_bytes(self, chain: Sequence[bytes], start: int, limit: int) -> int:
-        return self.l2.fetch_bytes(chain, start, limit)
+        """Bytes of the objects a hit of `limit` tokens needs that L1 lacks."""
+        return self._missing_bytes(self._end(chain, limit, HIGH))
 
     def poll(self) -> None:
-        self.l2.poll()
+        self._apply(self.l2.poll(self.namespace))
 
     def in_flight(self) -> bool:
         return self.l2.in_flight()
@@ -148,13 +177,33 @@ class EmbeddedStore(ChunkStore):
         return self.tier.l2_writes_in_flight()
 
     def finish_prefetch(self, prefetch: Prefetch) -> None:
-        self.l2.finish_prefetch(prefetch)
+        self._apply(self.l2.finish_prefetch(prefetch))
+
+    def _apply(self, decisions: list[Decision]) -> None:
+        """Carry out, in order, what L2 work decided the account must learn."""
+        for d in decisions:
+            if isinstance(d, Landed):
+                self.capacity.landed(d.owner)
+                if d.kept:
+                    self.capacity.kept(self._sizes(d.kept))
+                if d.held:
+                    self.capacity.hold(d.owner, d.held)
+                if d.gave_up and self.stats is not None:
+                    self.stats.add("hung_l2_prefetches", 1)
+            elif isinstance(d, Rejected):
+                if self.stats is not None:
+                    self.stats.add("rejected_objects", len(d.cells))
+                self._delete(self.capacity.dropped(d.cells))
+            elif isinstance(d, Done):
+                self._delete(self.capacity.finished(d.owner))
 
     # -- reads: L1 --------------------------------------------------------------------
     def resident(self, chain: Sequence[bytes]) -> dict[int, set[int]]:
         """Per group id, the chunk indices whose object sits in L1 and may be offered
         (not possibly brought up by an unverified prefetch, not known bad)."""
-        return self.l2.resident(chain)
+        out, decided = self.l2.resident(chain, self.namespace)
+        self._apply(decided)
+        return out
 
     def pin(self, chain: Sequence[bytes], start: int, hit: int,
             req_id: str = "") -> Pinned | None:
@@ -163,22 +212,24 @@ class EmbeddedStore(ChunkStore):
         The hit counts as asked for once more by `req_id` (`Capacity.served`)."""
         cells = [(chain[c], g) for g, c in hit_chunks(self.layout, start, hit, self.chunk_size)]
         locked: list = []
-        pinned = done = None
+        done = None
         try:
-            pinned = self._lock_and_view(cells, locked)
-            if pinned is not None:
+            views = self._lock_and_view(cells, locked)
+            if views is not None:
                 end = self._end(chain, hit, 1)
+                handle = EmbeddedPin(self.namespace, tuple(locked), end.key)
                 self.capacity.served(end, self._sizes(end.cells), create=start == 0,
                                      req_id=req_id)
-                pinned.handles.append(end.key)
-            done = pinned
+                done = Pinned(views, [handle])
         finally:  # a miss, or a read that raised: none of its locks stays behind
             if done is None:
                 self.tier.unlock(locked)
         return done
 
-    def _lock_and_view(self, cells: list[ChunkKey], locked: list) -> Pinned | None:
-        """`pin`'s work; adds every key it read-locks to `locked` as soon as it is.
+    def _lock_and_view(self, cells: list[ChunkKey],
+                       locked: list) -> dict[ChunkKey, torch.Tensor] | None:
+        """`pin`'s work, the views of a hit's KV; adds every key it read-locks to
+        `locked` as soon as it is.
 
         Chunks are locked in one LMCache call per set of groups that reads them (a
         Gemma 4 hit has two: the sliding window's chunks, read by every group, and the
@@ -213,17 +264,21 @@ class EmbeddedStore(ChunkStore):
                                "another shape: treated as a miss", ck[1])
                 return None
             views[ck] = obj.kv
-        return Pinned(views, [self.namespace, list(locked)])
+        return views
 
     def release(self, pinned: Pinned | None) -> None:
+        """Give back what `pin` held; a `Pinned` of another store is a bug (TypeError)."""
         if pinned is None or not pinned.handles:
             return
-        namespace, keys, end = pinned.handles
-        pinned.handles = []
-        self.tier.unlock(keys)
-        self.capacity.unpinned(end)
-        if namespace != self.namespace:  # reset while loading: nothing tracks them now
-            self.tier.delete(keys)
+        if not all(isinstance(h, EmbeddedPin) for h in pinned.handles):
+            raise TypeError("gemma4-kv: the embedded store was handed a pin of another "
+                            f"store: {pinned.handles!r}")
+        handles, pinned.handles = pinned.handles, []
+        for h in handles:
+            self.tier.unlock(list(h.keys))
+            self.capacity.unpinned(h.end)
+            if h.namespace != self.namespace:  # reset while loading: nothing tracks them
+                self.tier.delete(list(h.keys))
 
     # -- writes -----------------------------------------------------------------------
     def reserve(self, write: ChunkWrite) -> Reservation:
@@ -263,7 +318,7 @@ class EmbeddedStore(ChunkStore):
         allocation overhead) is room the account cannot give: its limit shrinks by it."""
         used = self.tier.usage()[0]
         extra = max(0, used - self.capacity.used)
-        self.capacity.limit = self._total - extra
+        self.capacity.untracked(extra)
         if extra > 0.01 * self._total and not self._warned_untracked:
             self._warned_untracked = True
             logger.warning("gemma4-kv: the CPU tier holds %d bytes more than its account "

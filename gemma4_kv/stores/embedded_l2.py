@@ -11,7 +11,10 @@ have not answered within `L2_TASK_LIMIT_S` (a stuck NFS mount under `fs_native`,
 stopped answering) is given up: its locks go at once, and what it may still bring up is
 verified when first offered (`_unverified`); past `MAX_HUNG` of those the tier counts as
 down. `L2Prefetches` owns that state (each prefetch's own in `l2_prefetch.py`);
-`embedded.EmbeddedStore` holds one and asks it what L1 may offer.
+`embedded.EmbeddedStore` holds one and asks it what L1 may offer. It never touches the
+store's account (`capacity.Capacity`): what the account must learn (a prefetch landed,
+objects failed verification, a lookup is done) it returns as decisions
+(`l2_prefetch.Decision`), which the store applies.
 """
 
 from __future__ import annotations
@@ -19,14 +22,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from ..layout.groups import AttentionKind, KVLayout
 from ..layout.plan import hit_chunks, window_chunks
 from ..layout import integrity
-from .base import HIGH, ChunkKey, Prefetch
-from .l2_prefetch import Check, L2Prefetch, Stage
-from .capacity import Capacity, EndSpec, hit_end
+from .base import ChunkKey, Prefetch
+from .l2_prefetch import (Check, Decision, L2Prefetch, Landed, Rejected, Round, Rounds,
+                          Settled, Stage)
 from .lmcache import StorageLayer
 from .verifier import Entry, Verifier
 
@@ -46,24 +49,23 @@ HUNG_POLL_BATCH = 8
 before every lookup, on the lookup thread, and a stuck tier should not slow it down."""
 
 
-class L2Prefetches:
+class L2Prefetches(Rounds):
     """The embedded store's L2 reads and their state: prefetches in flight or given up,
     and the keys of L1 they leave untrusted, bad or unverified. It is handed L1 (`tier`),
-    the store's account (`capacity`), the objects' layouts and sizes per group, and how
-    the store names (`key`, `namespace`) and deletes (`delete`) objects; the store asks
-    it what L1 may offer (`resident`, `withheld`) and tells it what left L1. Objects a
-    prefetch brought up are verified by its `Verifier`, off the lookup thread."""
+    the objects' layouts and sizes per group and the rank whose keys it builds; every
+    call that names objects takes the store's current `namespace`. The store asks it
+    what L1 may offer (`resident`, `withheld`), tells it what left L1, and applies the
+    decisions it returns. Objects a prefetch brought up are verified by its `Verifier`,
+    off the lookup thread. Lookup thread, but for `stored` and `left_l1`, which the
+    store's writes call from the model thread (as before: their sets are not locked)."""
 
-    def __init__(self, tier: StorageLayer, capacity: Capacity, layout: KVLayout,
-                 chunk_size: int, *, layouts: dict[int, object], sizes: dict[int, int],
-                 key: Callable[[bytes, int], object], namespace: Callable[[], str],
-                 delete: Callable[[Sequence[ChunkKey]], None], verify: bool = True,
-                 stats=None):
-        self._tier, self._capacity = tier, capacity
+    def __init__(self, tier: StorageLayer, layout: KVLayout, chunk_size: int, *,
+                 layouts: dict[int, object], sizes: dict[int, int], kv_rank: int = 0,
+                 verify: bool = True):
+        self._tier = tier
         self._layout, self._chunk_size = layout, chunk_size
         self._layouts, self._bytes = layouts, sizes
-        self._key, self._namespace, self._delete = key, namespace, delete
-        self._verify, self._stats = verify, stats
+        self._kv_rank, self._verify = kv_rank, verify
         self._groups = [g.group_id for g in layout.groups]
         self._windows = {g.group_id: window_chunks(g, chunk_size) for g in layout.groups}
         self._full = [g.group_id for g in layout.groups if g.kind is AttentionKind.FULL]
@@ -74,13 +76,26 @@ class L2Prefetches:
         self._hung_keys: Counter = Counter()  # what those may still bring up from L2
         self._unverified: set = set()  # keys a given-up prefetch may bring up unverified
         self._verifier = Verifier()
+        self._decided: list[Decision] = []  # of the call running; returned by it
+
+    def _key(self, chunk_hash: bytes, gid: int, namespace: str):
+        return self._tier.key(chunk_hash, namespace, self._kv_rank, gid)
+
+    def _take(self) -> list[Decision]:
+        out, self._decided = self._decided, []
+        return out
 
     # -- what L1 may offer ------------------------------------------------------------
-    def resident(self, chain: Sequence[bytes]) -> dict[int, set[int]]:
+    def resident(self, chain: Sequence[bytes],
+                 namespace: str) -> tuple[dict[int, set[int]], list[Decision]]:
         """Per group id, the chunk indices whose object sits in L1 and may be offered
-        (not possibly brought up by an unverified prefetch, not known bad)."""
+        (not possibly brought up by an unverified prefetch, not known bad); and what
+        verifying objects a given-up prefetch brought up decided."""
+        return self._resident(chain, namespace), self._take()
+
+    def _resident(self, chain: Sequence[bytes], namespace: str) -> dict[int, set[int]]:
         out = {}
-        rows = [(gid, [self._key(h, gid) for h in chain], self._layouts[gid])
+        rows = [(gid, [self._key(h, gid, namespace) for h in chain], self._layouts[gid])
                 for gid in self._groups]
         for (gid, keys, _), present in zip(rows, self._tier.resident_rows(rows)):
             if self._unverified:
@@ -140,108 +155,71 @@ class L2Prefetches:
         return len(self._hung) < MAX_HUNG
 
     # -- reads: L2 --------------------------------------------------------------------
-    def start_prefetch(self, chain: Sequence[bytes], start: int, limit: int) -> Prefetch:
+    def start_prefetch(self, chain: Sequence[bytes], start: int, limit: int,
+                       namespace: str, owner: str, ask: bool) -> Prefetch:
         """Ask the L2 tiers for the longest prefix of `chain` they can serve, without
         waiting: LMCache loads what it needs into L1 (each sliding group only its window
-        before each chunk end). Room is made first for the hit asked for (it may evict
-        what a save of it could); without room, or while the tier is stuck (`tier_up`),
-        nothing is asked."""
+        before each chunk end). Without `ask` (the store has no room for it: it made the
+        room, set apart for `owner`, first) nothing is asked: it is finished at once."""
         p = L2Prefetch(time.monotonic(), chain=tuple(chain), start=start, limit=limit,
-                      namespace=self._namespace())
-        asked = hit_end(self._layout, self._chunk_size, chain, limit, HIGH)
-        if not self.tier_up() or not self._make_room(asked, p.owner):
-            p.finished, p.stage = True, Stage.DONE
-            return p
-        self._submit(p, [([(gid, list(chain)) for gid in self._groups], "prefix")])
+                       namespace=namespace, owner=owner,
+                       stage=Stage.FETCHING if ask else Stage.DONE, finished=not ask)
+        if ask:
+            p.ask(self, [([(gid, list(chain)) for gid in self._groups], "prefix")],
+                  namespace)
+            self._inflight.append(p)
         return p
 
-    def _make_room(self, asked: EndSpec, owner: str) -> bool:
-        """Room in L1 for what a prefetch of `asked` may bring up, set apart for it
-        (`owner`) until it settles."""
-        ok, garbage = self._capacity.room(self._missing_bytes(asked), asked.key, owner)
-        self._delete(garbage)
-        return ok
+    def in_flight(self) -> bool:
+        return bool(self._inflight)
 
-    def _missing_bytes(self, asked: EndSpec) -> int:
-        return sum(self._bytes[cell[1]] for cell in asked.cells
-                   if cell not in self._capacity)
+    def poll(self, namespace: str) -> list[Decision]:
+        """Move every prefetch on (`L2Prefetch.advance`): verify what it loaded from L2,
+        drop what fails, release its locks (also of prefetches whose lookup gave up
+        waiting). LMCache's prefix fetch serves chunk ends: a hit ending inside a chunk
+        may need one more window chunk, and an object that failed leaves a shorter hit
+        that needs other window chunks; up to two targeted rounds follow (`next_fetch`).
+        Given-up prefetches are asked about `HUNG_POLL_BATCH` at a time, the longest
+        unasked first (each within `MAX_HUNG / HUNG_POLL_BATCH` polls). Returns what the
+        store's account must learn, in order."""
+        now = time.monotonic()
+        for _ in range(min(HUNG_POLL_BATCH, len(self._hung))):
+            p = self._hung.popleft()
+            p.advance(self, now, namespace, L2_TASK_LIMIT_S)
+            if p.stage is Stage.GIVEN_UP:
+                self._hung.append(p)
+        for p in self._inflight:
+            p.advance(self, now, namespace, L2_TASK_LIMIT_S)
+        self._inflight = [p for p in self._inflight
+                          if p.stage in (Stage.FETCHING, Stage.VERIFYING)]
+        return self._take()
 
-    def fetch_bytes(self, chain: Sequence[bytes], start: int, limit: int) -> int:
-        """Bytes of the objects a hit of `limit` tokens needs that L1 lacks."""
-        return self._missing_bytes(hit_end(self._layout, self._chunk_size, chain, limit,
-                                           HIGH))
-
-    def _submit(self, p: L2Prefetch, tasks) -> None:
-        planned = [(policy, [(gid, hs, [self._key(h, gid) for h in hs])
+    # -- `Rounds`: what a prefetch asks of its holder ------------------------------------
+    def submit(self, tasks: list, namespace: str) -> Round:
+        planned = [(policy, [(gid, hs, [self._key(h, gid, namespace) for h in hs])
                              for gid, hs in rows])
                    for rows, policy in tasks]
         keys = [k for _, rows in planned for _, _, ks in rows for k in ks]
         held = [ks[i] for _, rows in planned for gid, _, ks in rows
                 for i in self._tier.resident(gid, ks, self._layouts[gid], True)]
         before = set(held)
-        p.held += held
-        p.untrusted += [k for k in keys if k not in before]
-        self._maybe_untrusted.update(k for k in keys if k not in before)
+        untrusted = [k for k in keys if k not in before]
+        self._maybe_untrusted.update(untrusted)
+        submitted = []
         for policy, rows in planned:
             handle = self._tier.prefetch(
                 [(gid, ks, self._layouts[gid], self._windows[gid] if policy == "prefix"
                   else -1) for gid, _, ks in rows], policy)
-            p.tasks.append((handle, rows))
-            p.results.append(None)
-        if p not in self._inflight:
-            self._inflight.append(p)
+            submitted.append((handle, rows))
+        return Round(submitted, held, untrusted)
 
-    def in_flight(self) -> bool:
-        return bool(self._inflight)
+    def outcome(self, handle) -> object | None:
+        return self._tier.prefetch_outcome(handle)
 
-    def poll(self) -> None:
-        """Settle every finished prefetch: verify what it loaded from L2, drop what fails,
-        release its locks (also of prefetches whose lookup gave up waiting). LMCache's
-        prefix fetch serves chunk ends: a hit ending inside a chunk may need one more
-        window chunk, and an object that failed leaves a shorter hit that needs other
-        window chunks; up to two targeted fetches follow (`_next_fetch`)."""
-        self._poll_hung()
-        now = time.monotonic()
-        for p in self._inflight:
-            self._advance(p, now)
-        self._inflight = [p for p in self._inflight
-                          if p.stage in (Stage.FETCHING, Stage.VERIFYING)]
+    def can_verify(self) -> bool:
+        return self._verifier.has_room()
 
-    def _advance(self, p: L2Prefetch, now: float) -> None:
-        """Move one prefetch on as far as it goes without waiting: its tasks answered,
-        its objects handed to the verifier (once it has room), their verdicts taken, the
-        next round asked or the prefetch done. The one place its stage changes."""
-        if p.stage is Stage.FETCHING:
-            for i, (handle, _) in enumerate(p.tasks):
-                if p.results[i] is None:
-                    p.results[i] = self._tier.prefetch_outcome(handle)
-            if any(r is None for r in p.results):
-                if now - p.started > L2_TASK_LIMIT_S:
-                    self._give_up(p)
-                    p.stage = Stage.GIVEN_UP
-                return
-            if not self._verifier.has_room():
-                return  # asked again at the next poll
-            p.check, p.stage = self._start_check(p), Stage.VERIFYING
-        if p.stage is Stage.VERIFYING:
-            if not p.check.batch.done():
-                return
-            self._settle(p)
-            missing = self._next_fetch(p) if p.rounds < 3 else []
-            if missing:
-                p.rounds += 1
-                p.asked.update(missing)
-                per_group: dict[int, list[bytes]] = {}
-                for h, gid in missing:
-                    per_group.setdefault(gid, []).append(h)
-                p.tasks, p.results = [], []
-                self._submit(p, [([(gid, hs)], "full") for gid, hs in per_group.items()])
-                p.stage = Stage.FETCHING
-            else:
-                p.finished, p.finished_at = True, time.monotonic()
-                p.stage = Stage.DONE
-
-    def _give_up(self, p: L2Prefetch) -> None:
+    def give_up(self, job: L2Prefetch, held: list, untrusted: list) -> None:
         """Stop waiting for a prefetch whose tasks do not answer: its read locks go, and
         everything its tasks may still bring up into L1 is verified before it is offered.
         That is every key it asked for, those L1 held when it started too: LMCache may
@@ -249,38 +227,24 @@ class L2Prefetches:
         evicted meanwhile is looked up and loaded from L2 when it does. Until its tasks
         answer, a key of it that leaves L1 is marked again (`left_l1`). Its tasks are
         still polled: what they lock when they answer is unlocked then."""
-        self._tier.unlock(p.held)
-        self._capacity.landed(p.owner)  # what lands later is outside the account
-        p.hung_keys = p.held + p.untrusted
-        self._unverified.update(p.hung_keys)
-        self._hung_keys.update(p.hung_keys)
-        self._maybe_untrusted.subtract(p.untrusted)
+        self._tier.unlock(held)
+        self._decided.append(Landed(job.owner, gave_up=True))  # what lands later: untracked
+        self._unverified.update(job.hung_keys)
+        self._hung_keys.update(job.hung_keys)
+        self._maybe_untrusted.subtract(untrusted)
         self._maybe_untrusted += Counter()
-        p.held, p.untrusted, p.finished = [], [], True
-        self._hung.append(p)
-        if self._stats is not None:
-            self._stats.add("hung_l2_prefetches", 1)
+        self._hung.append(job)
         logger.warning("gemma4-kv: an L2 prefetch did not answer within %.0f s (a stuck "
                        "tier or mount?): given up, its locks released; what it brings up "
                        "later is verified before use", L2_TASK_LIMIT_S)
 
-    def _poll_hung(self) -> None:
-        """Unlock what given-up prefetches locked, once their tasks answer at last. Asks
-        about `HUNG_POLL_BATCH` of them per call, the longest unasked first (each is
-        asked within `MAX_HUNG / HUNG_POLL_BATCH` polls)."""
-        for _ in range(min(HUNG_POLL_BATCH, len(self._hung))):
-            p = self._hung.popleft()
-            for i, (handle, _) in enumerate(p.tasks):
-                if p.results[i] is None:
-                    p.results[i] = self._tier.prefetch_outcome(handle)
-            if any(r is None for r in p.results):
-                self._hung.append(p)
-                continue
-            self._tier.unlock([keys[i] for (_, rows), result in zip(p.tasks, p.results)
-                               for row, (_, _, keys) in enumerate(rows)
-                               for i in result.hit[row]])
-            self._hung_keys.subtract(p.hung_keys)
-            self._hung_keys += Counter()  # drop zero counts
+    def hung_answered(self, job: L2Prefetch) -> None:
+        """Unlock what a given-up prefetch's tasks locked, now that they answered."""
+        self._tier.unlock([keys[i] for (_, rows), result in zip(job.tasks, job.results)
+                           for row, (_, _, keys) in enumerate(rows)
+                           for i in result.hit[row]])
+        self._hung_keys.subtract(job.hung_keys)
+        self._hung_keys += Counter()  # drop zero counts
 
     def _check_unverified(self, gid: int, keys: list, present: list[int]) -> None:
         """Verify the objects among `keys[present]` (in L1) that a given-up prefetch may
@@ -304,19 +268,17 @@ class L2Prefetches:
         self._bad.update(bad)
         self._unverified.difference_update(bad)
         self._tier.delete_everywhere(bad)
-        self._capacity.dropped([(k.chunk_hash, k.object_group_id) for k in bad])
-        if self._stats is not None:
-            self._stats.add("rejected_objects", len(bad))
+        self._decided.append(Rejected(tuple((k.chunk_hash, k.object_group_id) for k in bad)))
         logger.warning("gemma4-kv: %d object(s) from an L2 tier failed verification "
                        "(corrupt, truncated or foreign): dropped, recomputed instead",
                        len(bad))
 
-    def _next_fetch(self, p: L2Prefetch) -> list[ChunkKey]:
+    def next_fetch(self, p: L2Prefetch, namespace: str) -> list[ChunkKey]:
         """What L1 lacks of the longest hit (at most `p.limit`) still within reach: one
         whose full-attention chunks L1 holds (the prefix fetch brought every one L2 had)
         and none of whose objects is known bad or was asked for in vain. Nothing if that
         hit is servable already."""
-        resident = self.resident(p.chain)
+        resident = self._resident(p.chain, namespace)
         c = self._chunk_size
         for end in sorted({p.limit} | set(range(c, p.limit, c)), reverse=True):
             if end <= p.start:
@@ -325,17 +287,17 @@ class L2Prefetches:
             if any(ch not in resident[g] for g, ch in cells if g in self._full):
                 continue
             keys = [(p.chain[ch], g) for g, ch in cells if ch not in resident[g]]
-            if any(k in p.asked or self.is_bad(self._key(*k)) for k in keys):
+            if any(k in p.asked or self.is_bad(self._key(*k, namespace)) for k in keys):
                 continue
             return keys
         return []
 
-    def _start_check(self, p: L2Prefetch) -> Check:
+    def check(self, p: L2Prefetch) -> Check:
         """Hand what the prefetch's tasks brought up to the verifier: the hit's objects
         loaded from L2 (locked by the tasks), and strays, objects it brought into L1 but
         left out of the hit it reports (LMCache keeps them there unlocked, e.g. those
         past a value that failed to load, which ends a prefix): locked here, so none is
-        deleted while it is read. All stay locked and withheld until `_settle`."""
+        deleted while it is read. All stay locked and withheld until `settle`."""
         locked, items, strays, held = [], [], {}, set(p.held)
         for (_, rows), result in zip(p.tasks, p.results):
             for row, (gid, hashes, keys) in enumerate(rows):
@@ -357,35 +319,31 @@ class L2Prefetches:
         batch = self._verifier.submit([self._object(k, h, gid) for k, h, gid, _ in items])
         return Check(locked, stray_keys, items, batch)
 
-    def _settle(self, p: L2Prefetch) -> None:
+    def settle(self, p: L2Prefetch, namespace: str) -> Settled:
         """Take the verdicts of a prefetch's objects (its check is done): the good ones
         are kept and offered, the bad dropped everywhere; every lock it held goes."""
         check, bad, landed, stray_landed = p.check, [], {}, {}
         for (key, h, gid, stray), ok in zip(check.items, check.batch.result()):
             if ok:
                 (stray_landed if stray else landed)[(h, gid)] = self._bytes[gid]
-                if not stray:
-                    p.loaded.add((h, gid))
             elif ok is False:
                 bad.append(key)
             else:  # not verified: verified again before it is ever offered
                 self._unverified.add(key)
-        self._capacity.landed(p.owner)
-        if p.namespace == self._namespace():
+        if p.namespace == namespace:
             # Tracked from now on: the hit's objects are held for the lookup's pin (if
             # it still waits), what no hit needs is deleted (strays at once).
-            self._capacity.kept({**landed, **stray_landed})
-            if not p.done_with:
-                self._capacity.hold(p.owner, landed)
-        p.loaded_bytes += sum(landed.values())
+            self._decided.append(Landed(p.owner, kept=(*landed, *stray_landed),
+                                        held=() if p.done_with else tuple(landed)))
+        else:
+            self._decided.append(Landed(p.owner))
         self._tier.unlock(check.locked + check.strays)
         self._tier.unlock(p.held)
         if bad:
-            p.rejected += len(bad)
             self._drop_bad(bad)
         self._maybe_untrusted.subtract(p.untrusted)
         self._maybe_untrusted += Counter()  # drop zero counts
-        p.held, p.untrusted, p.check = [], [], None
+        return Settled(landed, len(bad))
 
     def _object(self, key, chunk_hash: bytes, gid: int) -> Entry:
         """The object in L1 as the verifier takes it, (KV, trailer, key value); True if
@@ -410,12 +368,10 @@ class L2Prefetches:
         obj = self._object(key, chunk_hash, gid)
         return integrity.verify(*obj) if isinstance(obj, tuple) else obj
 
-    def finish_prefetch(self, prefetch: Prefetch) -> None:
+    def finish_prefetch(self, prefetch: Prefetch) -> list[Decision]:
         """The lookup is done with this prefetch (it pinned its hit, or gave up): what it
-        brought up and no hit holds goes."""
-        if isinstance(prefetch, L2Prefetch):
-            prefetch.done_with = True
-            self._delete(self._capacity.finished(prefetch.owner))
+        brought up and no hit holds goes (`Done`)."""
+        return [prefetch.finish()] if isinstance(prefetch, L2Prefetch) else []
 
     def close(self) -> None:
         """Stop verifying (after the verifications running end)."""

@@ -7,6 +7,7 @@ from ..layout.groups import KVLayout
 from .base import ChunkStore
 from .config import ServerConfig, StoreConfig
 from .embedded import EmbeddedStore
+from .stats import Stats
 
 
 class StoreUnavailable(RuntimeError):
@@ -15,7 +16,7 @@ class StoreUnavailable(RuntimeError):
 
 def open_store(config: StoreConfig | ServerConfig, layout: KVLayout, fingerprint: str,
                chunk_size: int, *, kv_rank: int = 0, device=None,
-               stats=None) -> ChunkStore:
+               stats: Stats | None = None) -> ChunkStore:
     """The fingerprint names the rank: each rank keeps objects of its own. `device` is
     where the rank's KV lives (a server store verifies objects there)."""
     import torch

@@ -17,12 +17,12 @@ SEGMENTS = ("low", "window", "probation", "protected")
 
 
 class Ranking:
-    """Where every live end ranks; `ends` (the account's, by key) gives their size and
-    pins, `limit()` the tier's size."""
+    """Where every live end ranks. Each segment keeps the ends it holds (their size and
+    pins are read from them); the tier's size, `limit`, is the account's and is passed
+    in by every call that weighs a segment against it (`Capacity` owns both)."""
 
-    def __init__(self, ends: dict, limit: Callable[[], int], *, window_share: float,
-                 protected_share: float, min_sample: int, ties_admit: bool = False):
-        self._ends, self._limit = ends, limit
+    def __init__(self, *, window_share: float, protected_share: float, min_sample: int,
+                 ties_admit: bool = False):
         self.window_share, self.protected_share = window_share, protected_share
         self.ties_admit = ties_admit
         """Whether a new end may displace main ends asked as often as itself (`victims`)."""
@@ -52,35 +52,35 @@ class Ranking:
             self._counted //= 2
 
     # -- segments -------------------------------------------------------------------------
-    def enter(self, end) -> None:
+    def enter(self, end, limit: int) -> None:
         """A live end joins: LOW ends their segment; a HIGH end the window if it fits
         there, else main's probation."""
         if end.cls == LOW:
             self.place(end, "low")
             return
-        self.place(end, "window" if end.size <= self.window_share * self._limit()
+        self.place(end, "window" if end.size <= self.window_share * limit
                    else "probation")
-        self.balance_window()
+        self.balance_window(limit)
 
-    def touch(self, end) -> None:
+    def touch(self, end, limit: int) -> None:
         where = self.where.get(end.key)
         if where == "probation":
             self.place(end, "protected")
             self._overflow("protected", self.protected_share * (1 - self.window_share)
-                           * self._limit())
+                           * limit)
         elif where is not None:
             self._segments[where].move_to_end(end.key)
 
-    def balance_window(self) -> None:
+    def balance_window(self, limit: int) -> None:
         """Move the window's oldest ends on to main's probation while it holds more than
         its share (eviction made room for them already, see `victims`)."""
-        self._overflow("window", self.window_share * self._limit())
+        self._overflow("window", self.window_share * limit)
 
     def _overflow(self, segment: str, cap: float) -> None:
         ends = self._segments[segment]
-        total = sum(self._ends[k].size for k in ends)
+        total = sum(end.size for end in ends.values())
         while total > cap and len(ends) > 1:
-            end = self._ends[next(iter(ends))]
+            end = next(iter(ends.values()))
             total -= end.size
             self.place(end, "probation")
 
@@ -88,7 +88,7 @@ class Ranking:
         old = self.where.get(end.key)
         if old is not None:
             del self._segments[old][end.key]
-        self._segments[segment][end.key] = None
+        self._segments[segment][end.key] = end
         self.where[end.key] = segment
 
     def remove(self, key) -> None:
@@ -98,7 +98,7 @@ class Ranking:
 
     # -- admission and eviction ------------------------------------------------------------
     def victims(self, short: int, cls: int, freq: int, size: int,
-                alone: Callable[[object, dict], int]) -> list | None:
+                alone: Callable[[object, dict], int], limit: int) -> list | None:
         """Ends to evict, in order, so that `short` more bytes fit for a new end of
         class `cls`, asked for `freq` times, of `size` bytes; None if not possible.
 
@@ -126,29 +126,27 @@ class Ranking:
 
         def main_victim(below: int):
             for segment in ("probation", "protected"):
-                for key in self._segments[segment]:
-                    end = self._ends[key]
+                for key, end in self._segments[segment].items():
                     if key not in out and not end.pins and self.frequency(key) < below:
                         return end
             return None
 
-        for key in self._segments["low"]:
+        for end in self._segments["low"].values():
             if freed >= short:
                 return taken
-            if not self._ends[key].pins:
-                take(self._ends[key])
+            if not end.pins:
+                take(end)
         if freed >= short:
             return taken
         if cls == LOW:
             return None
-        cap = self.window_share * self._limit()
+        cap = self.window_share * limit
         if size <= cap:
             window = self._segments["window"]
-            held = size + sum(self._ends[k].size for k in window)
-            for key in list(window):  # oldest first
+            held = size + sum(w.size for w in window.values())
+            for key, w in list(window.items()):  # oldest first
                 if freed >= short or held <= cap:
                     break
-                w = self._ends[key]
                 held -= w.size
                 if not w.pins:
                     take(main_victim(self.frequency(key)) or w)

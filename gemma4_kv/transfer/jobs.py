@@ -14,8 +14,17 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..stores.base import ChunkWrite
+
+
+class Record(Protocol):
+    """Where a load, save or lookup is written down, one line each (the connector's
+    `StatsFile`, which does nothing without a `stats_file`). Never raises."""
+
+    def __call__(self, event: str, req_id: str, start: int, end: int, plan,
+                 t0: float = 0.0, seconds: float | None = None) -> None: ...
 
 
 @dataclass

@@ -15,11 +15,14 @@ import logging
 import re
 import time
 from collections import defaultdict
+from typing import Protocol
 
 import torch
 
 from ..layout.plan import load_blocks
-from .jobs import JobQueue, LoadJob
+from ..stores.base import Pinned
+from ..stores.stats import Stats
+from .jobs import JobQueue, LoadJob, Record
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +40,26 @@ def forward_order(layout) -> list[tuple[int, int, str]]:
                   key=key)
 
 
+class HeldHit(Protocol):
+    """A hit a lookup pinned: tokens [start, hit) of its request, and the pin."""
+
+    start: int
+    hit: int
+    pinned: Pinned
+
+
+class HeldHits(Protocol):
+    """Where the lookup layer keeps the hits it pinned (`lookup.service.LookupService`):
+    a load takes its hit by (request, pin) and hands it back once copied. Any thread."""
+
+    def take(self, req_id: str, pin: int) -> HeldHit | None: ...
+
+    def done(self, hit: HeldHit) -> None: ...
+
+
 class Loads(JobQueue):
-    def __init__(self, layout, caches, transfer, lookups, chunk_size: int, stats, record,
-                 rank: int = 0):
+    def __init__(self, layout, caches, transfer, lookups: HeldHits, chunk_size: int,
+                 stats: Stats, record: Record, rank: int = 0):
         super().__init__()
         self.layout, self.caches, self.transfer = layout, caches, transfer
         self.lookups, self.chunk_size = lookups, chunk_size

@@ -16,14 +16,15 @@ from collections import defaultdict
 from ..layout.plan import save_blocks
 from ..layout import integrity
 from ..stores.base import ChunkStore, Reservation
-from .jobs import FinishJob, JobQueue, SaveJob
+from ..stores.stats import Stats
+from .jobs import FinishJob, JobQueue, Record, SaveJob
 
 logger = logging.getLogger(__name__)
 
 
 class Saves(JobQueue):
     def __init__(self, store: ChunkStore, layout, caches, transfer, pool, chunk_size: int,
-                 stats, record):
+                 stats: Stats, record: Record):
         super().__init__()
         self.store, self.layout, self.caches = store, layout, caches
         self.transfer, self.pool, self.chunk_size = transfer, pool, chunk_size
