@@ -613,9 +613,10 @@ def test_a_release_does_not_wait_for_the_servers_answers(server):
 
 
 def test_a_release_does_not_wait_for_a_read_in_flight(server):
-    """A read on the lookup thread holds the tier's state lock while the server prepares
-    its objects; a release on the model thread used to wait for that lock (2 releases
-    took 36.7 ms together in an engine). It now only queues its work."""
+    """A read on the lookup thread used to hold the tier's state lock while the server
+    prepared its objects, and a release on the model thread waited for it (2 releases
+    took 36.7 ms together in an engine). A read's lock now guards in-memory state only,
+    and a release only queues its work, even while that lock is held."""
     store = open_store(server.url)
     try:
         put(store, 18, 2)
@@ -623,12 +624,51 @@ def test_a_release_does_not_wait_for_a_read_in_flight(server):
         assert lookup(store, hashes) == {g: {0, 1} for g in range(3)}
         pinned = store.pin(hashes, 0, 128)
         assert pinned is not None
-        with store.conn.state:  # what a read in flight holds
+        with store.reads._lock:  # what a read holds (never across a call)
             releasing = threading.Thread(target=store.release, args=(pinned,))
             releasing.start()
             releasing.join(10)
             assert not releasing.is_alive()  # returned while the lock was held
         assert store.flush(10)
+    finally:
+        store.close()
+
+
+def test_a_read_holds_no_lock_while_the_server_prepares_its_objects(server, monkeypatch):
+    """Whenever a read waits for the server's answer to a prepare_retrieve, the lock
+    of `ServerReads` is free (it guards in-memory state only): a release, or another
+    thread's bookkeeping, never waits behind a call. Negative control: the check sees
+    the lock held."""
+    store = open_store(server.url)
+    try:
+        put(store, 19, 2)
+        hashes = chunk_hashes(tokens_of(19, 2), CHUNK)
+        lock, free = store.reads._lock, []
+
+        def lock_is_free() -> bool:
+            if not lock.acquire(timeout=0.5):
+                return False
+            lock.release()
+            return True
+
+        class Watched:
+            def __init__(self, f):
+                self.f = f
+
+            def wait(self, timeout):
+                free.append(lock_is_free())
+                return self.f.wait(timeout)
+
+            def result(self, timeout=None):
+                return self.f.result(timeout)
+
+        client = store.conn.client
+        real = client.prepare_retrieve
+        monkeypatch.setattr(client, "prepare_retrieve", lambda *a: Watched(real(*a)))
+        assert lookup(store, hashes) == {g: {0, 1} for g in range(3)}
+        assert free and all(free), free
+        with lock:
+            assert not lock_is_free()
     finally:
         store.close()
 

@@ -30,12 +30,12 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from ...layout.groups import KVGroup, KVLayout
 from ...layout import integrity
 from .. import lmcache
 from .shm import SharedL1, UnsupportedServer
+from .space import Lease, Space, Use
 
 logger = logging.getLogger(__name__)
 
@@ -173,28 +173,14 @@ def runs(indices: Iterable[int]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
-@dataclass
-class Space:
-    """One namespace's registrations: a model name and an instance id per group."""
-
-    namespace: str
-    names: dict[int, str]
-    ids: dict[int, int]
-    open_writes: int = 0
-    open_reads: int = 0
-    """Lookups and pins holding the server's read locks in this space: unregistering
-    drops them mid-load, and the next free of them would go unanswered."""
-    retired: bool = False
-    """Replaced (`rename`): unregistered once nothing reads or writes in it."""
-
-
 class ServerConnection:
     """One client's registrations on a server, the heartbeat that keeps them, and the
     calls of `reads.ServerReads` and `writes.ServerWrites` (`call`, `key`, `later`).
 
-    `state` serialises what several threads change together (spaces' open counts, the
-    readers' shared retrieves); `on_new_server` callbacks run when another server
-    process answers (its predecessor's locks and reads went with it)."""
+    Every read and write holds a `Lease` on the space it runs in (`lease`), which
+    unregisters a replaced space once the last one closes. `on_new_server` callbacks
+    run when another server process answers (its predecessor's locks and reads went
+    with it). No lock of this class is held across a call to the server."""
 
     def __init__(self, url: str, layout: KVLayout, namespace: str, chunk_size: int, *,
                  timeout_s: float = 1.0, ping_interval_s: float = 20.0,
@@ -211,7 +197,6 @@ class ServerConnection:
         check_speaks_zmq(url, max(timeout_s, CONNECT_TIMEOUT_S))
         self.client = lmcache.server_client(url)
         self._healthy = True
-        self.state = threading.RLock()
         self.groups = {g.group_id: g for g in layout.groups}
         self._slots = {gid: object_slots(g, chunk_size) for gid, g in self.groups.items()}
         self.l1 = SharedL1(url, prefault=prefault, cuda_register=cuda_register)
@@ -371,7 +356,7 @@ class ServerConnection:
 
     def rename(self, namespace: str) -> None:
         """Use new registrations under `namespace` from now on (`ChunkStore.reset`); the
-        old ones are unregistered once nothing is open in them (`_settle`)."""
+        old ones are unregistered once nothing is open in them (`Space.retire`)."""
         old, new = self._space, self._new_space(namespace)
         self._space = new
         try:
@@ -380,18 +365,18 @@ class ServerConnection:
         except Exception as e:
             self._healthy = False  # the heartbeat registers `new` once the server answers
             raise ServerUnavailable(f"{self.url}: cannot register {namespace}: {e}") from e
-        with self.state:
-            old.retired = True
-        self.settle(old)
+        if old.retire():
+            self._unregister(old)
 
-    def settle(self, space: Space) -> None:
-        """Unregister a retired space once no read or write is open in it (open writes:
+    def lease(self, use: Use) -> Lease:
+        """A read or write opened now, in the registrations in use now: a replaced
+        space is unregistered once its last lease closes."""
+        return self._space.lease(use, self._unregister)
+
+    def _unregister(self, space: Space) -> None:
+        """Unregister a retired space nothing is open in any more (open writes:
         unregistering would commit them unwritten; they expire, the reaper takes the
         rest; open reads: the server would drop their locks under a load)."""
-        with self.state:
-            if not space.retired or space.open_writes or space.open_reads:
-                return
-            space.retired = False  # once
         if space is self._space or not self._healthy:
             return
         for f in [self.client.unregister_kv_cache_engine_driven_context(i)
@@ -422,10 +407,9 @@ class ServerConnection:
 
     def _mapped(self, name: str, size: int) -> None:
         """The server's L1 segment is `name` (a restarted server has a new one)."""
-        with self.state:
-            if self.l1.map(name, size):
-                for callback in self.on_new_server:
-                    callback()
+        if self.l1.map(name, size):
+            for callback in self.on_new_server:
+                callback()
 
     def views(self, slots: list[dict], gid: int) -> list | None:
         """(KV, trailer) views of reserved or retrieved slots of group `gid`, or None if
