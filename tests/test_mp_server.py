@@ -224,6 +224,39 @@ def test_a_lookup_runs_its_phases_between_the_schedulers_asks(server):
         store.close()
 
 
+def test_a_lookup_job_moves_through_its_phases(server):
+    """A lookup job asks, checks, then has FOUND the hit (or MISSED, holding nothing);
+    only `advance` moves it on, and a finished job stays where it ended."""
+    from gemma4_kv.stores.server.lookup import LookupJob, Phase
+
+    store = open_store(server.url)
+    try:
+        put(store, 32, 2)
+        hashes = chunk_hashes(tokens_of(32, 2), CHUNK)
+        job = store.start_prefetch(hashes, 0, 2 * CHUNK)
+        assert isinstance(job, LookupJob) and job.phase is Phase.ASKING
+        seen = [job.phase]
+        assert _poll_until(lambda: (store.poll(), seen.append(job.phase), job.finished)[2],
+                           10)
+        assert job.phase is Phase.FOUND and job.hit is not None
+        # (On a CPU the check ends in the step that starts it: no poll sees CHECKING.)
+        assert seen[0] is Phase.ASKING and seen[-1] is Phase.FOUND
+        assert set(seen) <= {Phase.ASKING, Phase.CHECKING, Phase.FOUND}
+        assert job.advance() is Phase.FOUND  # finished: nothing moves it
+        store.finish_prefetch(job)
+        missing = chunk_hashes(tokens_of(33, 2), CHUNK)
+        job = store.start_prefetch(missing, 0, 2 * CHUNK)
+        assert _poll_until(lambda: (store.poll(), job.finished)[1], 10)
+        assert job.phase is Phase.MISSED and job.hit is None
+        store.finish_prefetch(job)
+        with pytest.raises(TypeError):  # another store's prefetch is refused on entry
+            store.finish_prefetch(type(job).__mro__[1](0.0))
+        assert store.flush(10)
+        assert server.locks()[0] == 0
+    finally:
+        store.close()
+
+
 def test_a_hit_that_would_cost_more_than_recomputing_is_not_fetched(server):
     """The server's hit is fetched whole: 196,608 bytes for [0, 256) here (by hand: group
     0 chunks 2-3 x 16 KiB, group 1 chunks 0-3 x 16 KiB, group 2 chunks 0-3 x 24 KiB).
