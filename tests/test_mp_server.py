@@ -706,6 +706,34 @@ def test_a_read_holds_no_lock_while_the_server_prepares_its_objects(server, monk
         store.close()
 
 
+def test_handles_of_another_store_are_refused_on_entry(server):
+    """A pin's handle and a reservation are the store's own types: a release, commit or
+    abort of something else raises instead of releasing nothing; a caller's empty
+    plain `Reservation` (a save with nothing to store) is accepted."""
+    from gemma4_kv.stores.base import Pinned, Reservation
+
+    store = open_store(server.url)
+    try:
+        put(store, 20, 1)
+        hashes = chunk_hashes(tokens_of(20, 1), CHUNK)
+        assert lookup(store, hashes) == {g: {0} for g in range(3)}
+        pinned = store.pin(hashes, 0, CHUNK)
+        assert pinned is not None
+        with pytest.raises(TypeError):
+            store.release(Pinned(dict(pinned.views), ["a namespace", []]))
+        store.release(pinned)
+        store.release(pinned)  # idempotent
+        assert pinned.handles is None
+        store.commit(Reservation({}))
+        store.abort(Reservation({}))
+        with pytest.raises(TypeError):
+            store.commit(Reservation({(hashes[0], 0): pinned.views[(hashes[0], 0)]}))
+        assert store.flush(10)
+        assert server.locks()[0] == 0
+    finally:
+        store.close()
+
+
 def test_a_save_after_a_hit_does_not_ask_for_what_the_hit_found(server):
     """After a hit vLLM recomputes the tokens past it and the connector saves their chunk
     again; the lookup behind the pin found it on the server, so the reservation asks

@@ -53,8 +53,11 @@ HELD_MAX = 1 << 16
 
 
 @dataclass
-class _ServerReservation(Reservation):
+class ServerReservation(Reservation):
+    """A reservation of `ServerStore.reserve`: the server's writes its objects lie in."""
+
     writes: list[Write] = field(default_factory=list)
+    """Committed or aborted once: emptied by either."""
 
 
 class ServerStore(ChunkStore):
@@ -184,7 +187,7 @@ class ServerStore(ChunkStore):
         self.admission.looked_up(req_id, reach)
 
     def pin(self, chain: Sequence[bytes], start: int, hit: int,
-            req_id: str = "") -> Pinned | None:
+            req_id: str = "") -> Pinned[ServerHit] | None:
         """The objects of tokens [start, hit) from a verified hit of `chain`; without one
         (a rank asked to re-pin, a caller that did not prefetch) the hit is looked up
         and verified here, waiting. All or nothing."""
@@ -200,7 +203,7 @@ class ServerStore(ChunkStore):
             return None
         self.admission.hit(req_id, (chain[end_chunk(hit, self.chunk_size)], hit),
                            self.conn.epoch)
-        return Pinned({ck: held.views[ck] for ck in cells}, [held],
+        return Pinned({ck: held.views[ck] for ck in cells}, held,
                       fresh_until=held.fresh_until, held_until=held.held_until)
 
     def _drop_stale(self, chain: tuple) -> list[ServerHit]:
@@ -258,14 +261,17 @@ class ServerStore(ChunkStore):
             return None
         return h
 
-    def release(self, pinned: Pinned | None) -> None:
-        if pinned is not None and pinned.handles:
-            for hit in pinned.handles:
-                self.finder.release(hit)
-            pinned.handles = []
+    def release(self, pinned: Pinned[ServerHit] | None) -> None:
+        if pinned is None or pinned.handles is None:
+            return
+        hit = pinned.handles
+        if not isinstance(hit, ServerHit):
+            raise TypeError(f"not a pin of a ServerStore: {type(hit).__name__}")
+        pinned.handles = None
+        self.finder.release(hit)
 
     # -- write ------------------------------------------------------------------------
-    def reserve(self, write: ChunkWrite) -> Reservation:
+    def reserve(self, write: ChunkWrite) -> ServerReservation:
         """Empty objects in the server's L1 for the chunks of `write`: full groups keyed
         by the prompt's chain, sliding groups in the window chains of the write's ends
         (`windows.assign`: chunks no end's window needs are not stored). Chunks the
@@ -276,7 +282,7 @@ class ServerStore(ChunkStore):
         chain = write.chain
         cells = [(write.first + i, g) for i, gids in enumerate(write.groups) for g in gids]
         if not cells or not self.conn.healthy:
-            return _ServerReservation({})
+            return ServerReservation({})
         full = [(c, g) for c, g in cells if g in self._full]
         # An end past the chain's last chunk has no key to name its window chain: with
         # a draft that owns KV the chain is one hash shorter than the prompt's chunks
@@ -285,7 +291,7 @@ class ServerStore(ChunkStore):
         if ends and not self.admission.admit(
                 write.req_id, (chain[end_chunk(max(ends), self.chunk_size)], max(ends)),
                 self.conn.epoch):
-            return _ServerReservation({})
+            return ServerReservation({})
         windows = assign(self.layout, self.chunk_size, ends,
                          [(c, g) for c, g in cells if g in self._sliding])
         plans = []  # (server chain, {group: positions}, position -> chain chunk)
@@ -298,7 +304,7 @@ class ServerStore(ChunkStore):
         for e, per_group in windows.items():
             k = max(j for js in per_group.values() for j in js) + 1
             plans.append((window_hashes(chain, e, k), per_group, lambda j, e=e: e - j))
-        res = _ServerReservation({})
+        res = ServerReservation({})
         epoch, ns = self.conn.epoch, self.conn.space.namespace
         try:
             for keys, per_group, chunk_of in plans:
@@ -318,13 +324,24 @@ class ServerStore(ChunkStore):
         except BaseException as e:  # what was reserved before it is never left open
             self.abort(res)
             if isinstance(e, ServerUnavailable):
-                return _ServerReservation({})
+                return ServerReservation({})
             raise
         return res
 
+    @staticmethod
+    def _take_writes(reservation: Reservation) -> list[Write]:
+        """The writes of one of this store's reservations (emptied: a second commit or
+        abort does nothing). An empty plain `Reservation` (a caller's own, for a save
+        with nothing to store) has none; any other is refused."""
+        if isinstance(reservation, ServerReservation):
+            writes, reservation.writes = reservation.writes, []
+            return writes
+        if type(reservation) is Reservation and not reservation.objects:
+            return []
+        raise TypeError(f"not a reservation of a ServerStore: {type(reservation).__name__}")
+
     def commit(self, reservation: Reservation) -> None:
-        writes = getattr(reservation, "writes", [])
-        reservation.writes = []
+        writes = self._take_writes(reservation)
         taken = bool(writes)
         for w in writes:
             try:
@@ -338,9 +355,7 @@ class ServerStore(ChunkStore):
 
     def abort(self, reservation: Reservation) -> None:
         """Give up the reservation (its objects expire unseen on the server)."""
-        writes = getattr(reservation, "writes", [])
-        reservation.writes = []
-        for w in writes:
+        for w in self._take_writes(reservation):
             try:
                 self.writes.abort(w)
             except ServerUnavailable:
