@@ -469,7 +469,7 @@ def test_unfinished_writes_made_visible_are_never_offered(server):
     finally:
         reader.close()
         crashed.conn._stop.set()
-        crashed.conn.client.close()
+        crashed.conn.wire.close()
 
 
 def crash_while_writing(url: str, seed: int) -> ServerStore:
@@ -484,7 +484,7 @@ def crash_while_writing(url: str, seed: int) -> ServerStore:
         if h == hashes[0]:
             integrity.seal(kv, trailer, key)
     for iid in crashed.conn.space.ids.values():  # what the reaper does to a dead client
-        crashed.conn.client.unregister_kv_cache_engine_driven_context(iid).result(5)
+        crashed.conn.wire.unregister(iid).result(5)
     return crashed
 
 
@@ -695,7 +695,7 @@ def test_a_read_holds_no_lock_while_the_server_prepares_its_objects(server, monk
             def result(self, timeout=None):
                 return self.f.result(timeout)
 
-        client = store.conn.client
+        client = store.conn.wire.client
         real = client.prepare_retrieve
         monkeypatch.setattr(client, "prepare_retrieve", lambda *a: Watched(real(*a)))
         assert lookup(store, hashes) == {g: {0, 1} for g in range(3)}
@@ -791,7 +791,7 @@ def test_killed_server_fails_fast_and_a_restarted_one_is_used_again(own_server):
         torn = chunk_hashes(tokens_of(33, 2), CHUNK)
         assert lookup(store, torn) == NONE
         crashed.conn._stop.set()
-        crashed.conn.client.close()
+        crashed.conn.wire.close()
         assert store.flush(10)  # no hand-back is still waiting for the server
         waited = store.conn.waited_out
         s.kill()

@@ -30,14 +30,16 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 from ...layout.groups import KVGroup, KVLayout
 from ...layout import integrity
-from .. import lmcache
+from ..lmcache import GroupShape, Pending, ServerWire
 from .shm import SharedL1, UnsupportedServer
 from .space import Lease, Space, Use
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 HASH_BYTES = 32
 """Length of gemma4-kv's chunk hashes (sha256): 8 uint32 "tokens"."""
@@ -195,7 +197,7 @@ class ServerConnection:
         already waiting when it went."""
         self._counting = threading.Lock()
         check_speaks_zmq(url, max(timeout_s, CONNECT_TIMEOUT_S))
-        self.client = lmcache.server_client(url)
+        self.wire = ServerWire(url)
         self._healthy = True
         self.groups = {g.group_id: g for g in layout.groups}
         self._slots = {gid: object_slots(g, chunk_size) for gid, g in self.groups.items()}
@@ -204,17 +206,17 @@ class ServerConnection:
         self._space = self._new_space(namespace)
         try:
             wait = max(timeout_s, CONNECT_TIMEOUT_S)
-            if not self.call(self.client.ping(None), "ping", timeout_s=wait):
+            if not self.call(self.wire.ping(None), "ping", timeout_s=wait):
                 raise ServerUnavailable(f"{url}: ping refused")
-            self.server_chunk = int(self.call(self.client.get_chunk_size(),
-                                               "get_chunk_size", timeout_s=wait))
+            self.server_chunk = self.call(self.wire.chunk_size(), "get_chunk_size",
+                                          timeout_s=wait)
             if self.server_chunk * 4 < HASH_BYTES:
                 raise UnsupportedServer(f"server chunk size {self.server_chunk} holds no "
                                         f"{HASH_BYTES}-byte hash: start it with --chunk-size 8")
             self._register(self._space, timeout_s=wait)
             self._probe_wire(timeout_s=wait)
         except Exception:
-            self.client.close()
+            self.wire.close()
             raise
         self.later = Later("gemma4kv-mp-later")
         self._stop = threading.Event()
@@ -237,8 +239,8 @@ class ServerConnection:
         return self.l1.size
 
     # -- connection -------------------------------------------------------------------
-    def call(self, future, what: str, *, probing: bool = False,
-             timeout_s: float | None = None):
+    def call(self, future: Pending[T], what: str, *, probing: bool = False,
+             timeout_s: float | None = None) -> T:
         """The answer of one RPC within `timeout_s` (default: the connection's), or
         ServerUnavailable. Gives up at once when another thread has found the server
         down (unless `probing`)."""
@@ -284,15 +286,10 @@ class ServerConnection:
     def _register(self, space: Space, probing: bool = False,
                   timeout_s: float | None = None) -> None:
         """Register every group of `space` (idempotent on the server), map its L1."""
-        futures = []
-        for gid, g in self.groups.items():
-            futures.append(self.client.register_kv_cache_engine_driven_context(
-                lmcache.server_registration(
-                    instance_id=space.ids[gid], model_name=space.names[gid],
-                    world_size=1, block_size=g.block_size, num_layers=len(g.layers),
-                    hidden_dim_size=g.num_kv_heads * g.head_size,
-                    dtype_str=str(g.dtype).removeprefix("torch."), use_mla=False,
-                    num_physical_slots=self._slots[gid])))
+        futures = [self.wire.register(space.ids[gid], space.names[gid], GroupShape(
+            g.block_size, len(g.layers), g.num_kv_heads * g.head_size,
+            str(g.dtype).removeprefix("torch."), self._slots[gid]))
+            for gid, g in self.groups.items()]
         pools = {(r.shm_name, r.pool_size) for r in
                  (self.call(f, "register", probing=probing, timeout_s=timeout_s)
                   for f in futures)}
@@ -303,7 +300,7 @@ class ServerConnection:
                 "engine_driven --shm-name NAME --no-l1-use-lazy and a /dev/shm larger than L1")
         self._mapped(name, size)
         for iid in space.ids.values():  # ping-proven: reaped after 120 s of silence, not 3600
-            self.call(self.client.ping(iid), "ping", probing=probing, timeout_s=timeout_s)
+            self.call(self.wire.ping(iid), "ping", probing=probing, timeout_s=timeout_s)
 
     def _probe_wire(self, probing: bool = False, timeout_s: float | None = None) -> None:
         """A keyed call that does nothing (an empty range): a server of another wire
@@ -312,13 +309,12 @@ class ServerConnection:
         space = self._space
         g = next(iter(space.names))
         try:
-            self.call(self.client.free_lookup_locks(
+            self.call(self.wire.free_lookup_locks(
                 self.key(space, g, self.tokens([bytes(HASH_BYTES)]), 0, 0, self.new_rid(),
-                          None), 1), "free_lookup_locks", probing=probing,
-                timeout_s=timeout_s)
+                         None)), "free_lookup_locks", probing=probing, timeout_s=timeout_s)
         except ServerUnavailable:
             for iid in space.ids.values():  # nothing was reserved: safe to unregister
-                self.client.unregister_kv_cache_engine_driven_context(iid)
+                self.wire.unregister(iid)
             raise UnsupportedServer(
                 f"{self.url} does not decode LMCache 0.5.6 keys (IPCCacheServerKey.token_ids):"
                 " client and server LMCache versions must match") from None
@@ -334,7 +330,7 @@ class ServerConnection:
             ids = list(space.ids.values()) if was else list(space.ids.values())[:1]
             try:
                 for iid in ids:
-                    self.call(self.client.ping(iid), "ping", probing=True)
+                    self.call(self.wire.ping(iid), "ping", probing=True)
                 if not was:
                     self._register(space, probing=True)
                     self._probe_wire(probing=True)  # it may have come back as another version
@@ -379,7 +375,7 @@ class ServerConnection:
         rest; open reads: the server would drop their locks under a load)."""
         if space is self._space or not self._healthy:
             return
-        for f in [self.client.unregister_kv_cache_engine_driven_context(i)
+        for f in [self.wire.unregister(i)
                   for i in space.ids.values()]:
             self.call(f, "unregister")
 
@@ -397,9 +393,7 @@ class ServerConnection:
     def key(self, space: Space, gid: int, tokens: tuple[int, ...], a: int, b: int,
              request_id: str, worker: int | None = 0):
         s = self.server_chunk
-        return lmcache.server_key(model_name=space.names[gid], world_size=1, worker_id=worker,
-                                 token_ids=tokens, start=a * s, end=b * s,
-                                 request_id=request_id, num_kv_readers=1)
+        return self.wire.key(space.names[gid], tokens, a * s, b * s, request_id, worker)
 
     @staticmethod
     def new_rid() -> str:
@@ -426,7 +420,7 @@ class ServerConnection:
         an empty one (a free then releases nothing)."""
         for f in list(futures):
             self.call(f, "free/commit")
-        for f in [self.client.end_session(r) for r in rids]:
+        for f in [self.wire.end_session(r) for r in rids]:
             self.call(f, "end_session")
 
     def stale(self, thing) -> bool:
@@ -443,10 +437,10 @@ class ServerConnection:
         space = self._space
         if self._healthy and not space.open_writes:
             try:
-                for f in [self.client.unregister_kv_cache_engine_driven_context(i)
+                for f in [self.wire.unregister(i)
                           for i in space.ids.values()]:
                     self.call(f, "unregister")
             except ServerUnavailable:
                 pass
-        self.client.close()
+        self.wire.close()
         self.l1.close()

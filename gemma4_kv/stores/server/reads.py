@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..lmcache import Pending
 from .connection import ServerConnection, ServerUnavailable, runs
 from .space import Lease, Space, Use
 
@@ -42,9 +43,9 @@ class ServerLookup:
     hashes: tuple[bytes, ...]
     tokens: tuple[int, ...]
     rids: dict[int, str]
-    acks: dict[int, object]
+    acks: dict[int, Pending[None]]
     epoch: int
-    polls: dict[int, object] = field(default_factory=dict)
+    polls: dict[int, Pending[int | None]] = field(default_factory=dict)
     found: dict[int, int] = field(default_factory=dict)
     """Group id -> leading chunks held (and read-locked), once answered."""
     sent: float = field(default_factory=time.monotonic)
@@ -124,8 +125,8 @@ class ServerReads:
         sent = time.monotonic()
         with conn.lease(Use.READ) as lease:
             space = lease.space
-            acks = {g: conn.client.lookup(conn.key(space, g, tokens, 0, len(hashes),
-                                                   rids[g], None), 1) for g in rids}
+            acks = {g: conn.wire.lookup(conn.key(space, g, tokens, 0, len(hashes),
+                                                 rids[g], None)) for g in rids}
             return ServerLookup(lease.keep(), space, tuple(hashes), tokens, rids, acks,
                                 conn.epoch, sent=sent)
 
@@ -154,13 +155,13 @@ class ServerReads:
                 del lk.acks[g]
             poll = lk.polls.get(g)
             if poll is None:
-                lk.polls[g] = conn.client.query_prefetch_status(rid)
+                lk.polls[g] = conn.wire.lookup_status(rid)
                 sent = True
             elif poll.query():
                 r = poll.result(0)
                 del lk.polls[g]
                 if r is not None:
-                    lk.found[g] = int(r)
+                    lk.found[g] = r
         if lk.done:
             return True
         now = time.monotonic()
@@ -185,7 +186,7 @@ class ServerReads:
 
     def _free(self, space: Space, tokens, gid: int, rid: str, indices: Iterable[int]) -> list:
         conn = self.conn
-        return [conn.client.free_lookup_locks(conn.key(space, gid, tokens, a, b, rid, None), 1)
+        return [conn.wire.free_lookup_locks(conn.key(space, gid, tokens, a, b, rid, None))
                 for a, b in runs(indices)]
 
     def keep(self, lk: ServerLookup, chunks: Sequence[tuple[int, int]]) -> ReadLocks | None:
@@ -263,18 +264,17 @@ class ServerReads:
             todo = [r for r in runs_ if r not in pin.read_runs and not self._share(pin, r)]
         keys = {r: conn.key(space, r[0], pin.tokens, r[1], r[2], pin.sessions[r[0]])
                 for r in todo}
-        futures = {r: conn.client.prepare_retrieve(keys[r], space.ids[r[0]]) for r in todo}
+        futures = {r: conn.wire.prepare_retrieve(keys[r], space.ids[r[0]]) for r in todo}
         prepared, spent = {}, []
         try:
             for (g, a, b), f in futures.items():
                 reply = conn.call(f, "prepare_retrieve")
-                objects = conn.views(reply.context.get("slots", []), g) \
-                    if reply.success else None
+                objects = conn.views(reply.slots, g) if reply.success else None
                 if objects is None or len(objects) != b - a:
                     # Either way the server let go of this run's locks: a failed prepare
                     # releases what it found (0.5.6), a bad shape is handed back here.
                     if reply.success:
-                        conn.call(conn.client.commit_retrieve(keys[(g, a, b)], space.ids[g]),
+                        conn.call(conn.wire.commit_retrieve(keys[(g, a, b)], space.ids[g]),
                                   "commit_retrieve")
                     spent.append((g, a, b))
                     continue
@@ -353,7 +353,7 @@ class ServerReads:
             pin.read_runs.clear()
             pin.spent.update((g, a, b) for g, rs in pin.runs.items() for a, b in rs)
         futures = list(pin.freeing)
-        futures += [conn.client.commit_retrieve(
+        futures += [conn.wire.commit_retrieve(
             conn.key(space, g, pin.tokens, a, b, pin.sessions[g]), space.ids[g])
             for g, a, b in commits]
         for g, a, b in frees:

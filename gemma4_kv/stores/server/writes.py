@@ -62,12 +62,12 @@ class ServerWrites:
         epoch = conn.epoch
         with conn.lease(Use.WRITE) as lease:  # kept once anything is reserved
             space = lease.space
-            futures = {(g, a, b): conn.client.prepare_store(
+            futures = {(g, a, b): conn.wire.prepare_store(
                 conn.key(space, g, tokens, a, b, rid), space.ids[g])
                 for g, rs in runs.items() for a, b in rs}
             for (g, a, b), f in futures.items():
-                ctx = conn.call(f, "prepare_store").context
-                slots, idx = ctx.get("slots") or [], ctx.get("chunk_indices") or []
+                reply = conn.call(f, "prepare_store")
+                slots, idx = reply.slots, reply.chunk_indices
                 if not slots:
                     continue
                 reserved.append((g, a, b))
@@ -106,8 +106,8 @@ class ServerWrites:
             return False
         space = write.space
         try:
-            futures = [conn.client.commit_store(conn.key(space, g, write.tokens, a, b,
-                                                         write.request_id), space.ids[g], b"")
+            futures = [conn.wire.commit_store(conn.key(space, g, write.tokens, a, b,
+                                                       write.request_id), space.ids[g])
                        for g, a, b in write.runs]
             ok = all([conn.call(f, "commit_store") for f in futures])
         finally:
