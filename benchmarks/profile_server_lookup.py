@@ -132,8 +132,8 @@ def main(argv=None) -> int:
     timers = Timers()
     try:
         store = ServerStore(layout, fp, CHUNK, url=srv.url, timeout_s=1.0)
-        client = Counting(store.conn.client)
-        store.conn.client = client
+        client = Counting(store.conn.wire.client)
+        store.conn.wire.client = client
         m = layout.chunk_multiple
         limit = (args.tokens - 1) // m * m  # the hit a request of --tokens asks for
         rng = random.Random(0)
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         rtts = []
         for _ in range(50):
             t = time.perf_counter()
-            store.conn.client.ping(None).result(5)
+            store.conn.wire.ping(None).result(5)
             rtts.append(time.perf_counter() - t)
 
         def one(i: int) -> dict:

@@ -99,8 +99,8 @@ def install(worker) -> str:
             _wrap(reads, name, f"reads.{name}")
         for name in ("tokens", "key", "views", "finish"):
             _wrap(conn, name, f"conn.{name}")
-        if not isinstance(conn.client, _CountingClient):
-            conn.client = _CountingClient(conn.client)
+        if not isinstance(conn.wire.client, _CountingClient):
+            conn.wire.client = _CountingClient(conn.wire.client)
     return type(store).__name__
 
 

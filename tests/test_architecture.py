@@ -1,6 +1,6 @@
 """The package's layers, as docs/architecture.md draws them: no module imports from a
-layer above its own, and LMCache is reached through one adapter module only
-(`stores/lmcache.py`), by its public names. Its classes meet as objects: none uses an
+layer above its own, and LMCache is reached through one adapter package only
+(`stores/lmcache/`), by its public names. Its classes meet as objects: none uses an
 attribute or method that only another class defines."""
 
 from __future__ import annotations
@@ -14,6 +14,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "gemma4_kv"
 LAYERS = ["layout", "keys", "stores", "config", "transfer", "lookup", "connector", "tools"]
 """Lowest first: a module may import from its own layer and those before it."""
 ADAPTER = "gemma4_kv.stores.lmcache"
+"""The adapter package: it and its modules alone import LMCache."""
+
+
+def in_adapter(module: str) -> bool:
+    return module == ADAPTER or module.startswith(ADAPTER + ".")
 
 
 def modules() -> dict[str, ast.Module]:
@@ -134,7 +139,7 @@ def test_store_configs_import_without_torch():
 
 
 def test_lmcache_is_imported_by_the_adapter_only():
-    users = sorted({f"{n}:{line}" for n, tree in MODULES.items() if n != ADAPTER
+    users = sorted({f"{n}:{line}" for n, tree in MODULES.items() if not in_adapter(n)
                     for mod, line in imports(n, tree) if mod.split(".")[0] == "lmcache"})
     assert not users, users
 
@@ -142,15 +147,36 @@ def test_lmcache_is_imported_by_the_adapter_only():
 def test_the_adapter_uses_no_private_lmcache_name():
     """No `_name` is imported from LMCache, and no `x._name` is read of anything but the
     adapter's own objects (`self`)."""
-    tree = MODULES[ADAPTER]
-    private = [f"line {node.lineno}: {a.name}" for node in ast.walk(tree)
+    trees = [tree for n, tree in MODULES.items() if in_adapter(n)]
+    private = [f"line {node.lineno}: {a.name}" for tree in trees for node in ast.walk(tree)
                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lmcache")
                for a in node.names if a.name.startswith("_")]
-    private += [f"line {node.lineno}: .{node.attr}" for node in ast.walk(tree)
+    private += [f"line {node.lineno}: .{node.attr}" for tree in trees for node in ast.walk(tree)
                 if isinstance(node, ast.Attribute) and node.attr.startswith("_")
                 and not node.attr.startswith("__")
                 and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
     assert not private, private
+
+
+def raw_wire_uses(modules: dict[str, ast.Module]) -> list[str]:
+    """`module:line` wherever a server store module reaches LMCache's request client
+    (`ServerWire.client`) instead of the facade's typed methods."""
+    return [f"{n}:{node.lineno}" for n, tree in modules.items()
+            if n.startswith("gemma4_kv.stores.server")
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr == "client"]
+
+
+def test_the_server_store_calls_the_server_through_the_facade_only():
+    problems = raw_wire_uses(MODULES)
+    assert not problems, problems
+
+
+def test_the_check_sees_a_raw_rpc_call():
+    """Negative control: a made-up server module calling LMCache's RPC by name."""
+    tree = ast.parse("def f(conn, key):\n    return conn.wire.client.lookup(key, 1)\n")
+    assert raw_wire_uses({"gemma4_kv.stores.server.made_up": tree}) == [
+        "gemma4_kv.stores.server.made_up:2"]
 
 
 # -- classes: each uses only what it or its bases define ---------------------------------

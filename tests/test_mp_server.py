@@ -224,6 +224,39 @@ def test_a_lookup_runs_its_phases_between_the_schedulers_asks(server):
         store.close()
 
 
+def test_a_lookup_job_moves_through_its_phases(server):
+    """A lookup job asks, checks, then has FOUND the hit (or MISSED, holding nothing);
+    only `advance` moves it on, and a finished job stays where it ended."""
+    from gemma4_kv.stores.server.lookup import LookupJob, Phase
+
+    store = open_store(server.url)
+    try:
+        put(store, 32, 2)
+        hashes = chunk_hashes(tokens_of(32, 2), CHUNK)
+        job = store.start_prefetch(hashes, 0, 2 * CHUNK)
+        assert isinstance(job, LookupJob) and job.phase is Phase.ASKING
+        seen = [job.phase]
+        assert _poll_until(lambda: (store.poll(), seen.append(job.phase), job.finished)[2],
+                           10)
+        assert job.phase is Phase.FOUND and job.hit is not None
+        # (On a CPU the check ends in the step that starts it: no poll sees CHECKING.)
+        assert seen[0] is Phase.ASKING and seen[-1] is Phase.FOUND
+        assert set(seen) <= {Phase.ASKING, Phase.CHECKING, Phase.FOUND}
+        assert job.advance() is Phase.FOUND  # finished: nothing moves it
+        store.finish_prefetch(job)
+        missing = chunk_hashes(tokens_of(33, 2), CHUNK)
+        job = store.start_prefetch(missing, 0, 2 * CHUNK)
+        assert _poll_until(lambda: (store.poll(), job.finished)[1], 10)
+        assert job.phase is Phase.MISSED and job.hit is None
+        store.finish_prefetch(job)
+        with pytest.raises(TypeError):  # another store's prefetch is refused on entry
+            store.finish_prefetch(type(job).__mro__[1](0.0))
+        assert store.flush(10)
+        assert server.locks()[0] == 0
+    finally:
+        store.close()
+
+
 def test_a_hit_that_would_cost_more_than_recomputing_is_not_fetched(server):
     """The server's hit is fetched whole: 196,608 bytes for [0, 256) here (by hand: group
     0 chunks 2-3 x 16 KiB, group 1 chunks 0-3 x 16 KiB, group 2 chunks 0-3 x 24 KiB).
@@ -436,7 +469,7 @@ def test_unfinished_writes_made_visible_are_never_offered(server):
     finally:
         reader.close()
         crashed.conn._stop.set()
-        crashed.conn.client.close()
+        crashed.conn.wire.close()
 
 
 def crash_while_writing(url: str, seed: int) -> ServerStore:
@@ -451,7 +484,7 @@ def crash_while_writing(url: str, seed: int) -> ServerStore:
         if h == hashes[0]:
             integrity.seal(kv, trailer, key)
     for iid in crashed.conn.space.ids.values():  # what the reaper does to a dead client
-        crashed.conn.client.unregister_kv_cache_engine_driven_context(iid).result(5)
+        crashed.conn.wire.unregister(iid).result(5)
     return crashed
 
 
@@ -613,9 +646,10 @@ def test_a_release_does_not_wait_for_the_servers_answers(server):
 
 
 def test_a_release_does_not_wait_for_a_read_in_flight(server):
-    """A read on the lookup thread holds the tier's state lock while the server prepares
-    its objects; a release on the model thread used to wait for that lock (2 releases
-    took 36.7 ms together in an engine). It now only queues its work."""
+    """A read on the lookup thread used to hold the tier's state lock while the server
+    prepared its objects, and a release on the model thread waited for it (2 releases
+    took 36.7 ms together in an engine). A read's lock now guards in-memory state only,
+    and a release only queues its work, even while that lock is held."""
     store = open_store(server.url)
     try:
         put(store, 18, 2)
@@ -623,12 +657,79 @@ def test_a_release_does_not_wait_for_a_read_in_flight(server):
         assert lookup(store, hashes) == {g: {0, 1} for g in range(3)}
         pinned = store.pin(hashes, 0, 128)
         assert pinned is not None
-        with store.conn.state:  # what a read in flight holds
+        with store.reads._lock:  # what a read holds (never across a call)
             releasing = threading.Thread(target=store.release, args=(pinned,))
             releasing.start()
             releasing.join(10)
             assert not releasing.is_alive()  # returned while the lock was held
         assert store.flush(10)
+    finally:
+        store.close()
+
+
+def test_a_read_holds_no_lock_while_the_server_prepares_its_objects(server, monkeypatch):
+    """Whenever a read waits for the server's answer to a prepare_retrieve, the lock
+    of `ServerReads` is free (it guards in-memory state only): a release, or another
+    thread's bookkeeping, never waits behind a call. Negative control: the check sees
+    the lock held."""
+    store = open_store(server.url)
+    try:
+        put(store, 19, 2)
+        hashes = chunk_hashes(tokens_of(19, 2), CHUNK)
+        lock, free = store.reads._lock, []
+
+        def lock_is_free() -> bool:
+            if not lock.acquire(timeout=0.5):
+                return False
+            lock.release()
+            return True
+
+        class Watched:
+            def __init__(self, f):
+                self.f = f
+
+            def wait(self, timeout):
+                free.append(lock_is_free())
+                return self.f.wait(timeout)
+
+            def result(self, timeout=None):
+                return self.f.result(timeout)
+
+        client = store.conn.wire.client
+        real = client.prepare_retrieve
+        monkeypatch.setattr(client, "prepare_retrieve", lambda *a: Watched(real(*a)))
+        assert lookup(store, hashes) == {g: {0, 1} for g in range(3)}
+        assert free and all(free), free
+        with lock:
+            assert not lock_is_free()
+    finally:
+        store.close()
+
+
+def test_handles_of_another_store_are_refused_on_entry(server):
+    """A pin's handle and a reservation are the store's own types: a release, commit or
+    abort of something else raises instead of releasing nothing; a caller's empty
+    plain `Reservation` (a save with nothing to store) is accepted."""
+    from gemma4_kv.stores.base import Pinned, Reservation
+
+    store = open_store(server.url)
+    try:
+        put(store, 20, 1)
+        hashes = chunk_hashes(tokens_of(20, 1), CHUNK)
+        assert lookup(store, hashes) == {g: {0} for g in range(3)}
+        pinned = store.pin(hashes, 0, CHUNK)
+        assert pinned is not None
+        with pytest.raises(TypeError):
+            store.release(Pinned(dict(pinned.views), ["a namespace", []]))
+        store.release(pinned)
+        store.release(pinned)  # idempotent
+        assert pinned.handles is None
+        store.commit(Reservation({}))
+        store.abort(Reservation({}))
+        with pytest.raises(TypeError):
+            store.commit(Reservation({(hashes[0], 0): pinned.views[(hashes[0], 0)]}))
+        assert store.flush(10)
+        assert server.locks()[0] == 0
     finally:
         store.close()
 
@@ -690,7 +791,7 @@ def test_killed_server_fails_fast_and_a_restarted_one_is_used_again(own_server):
         torn = chunk_hashes(tokens_of(33, 2), CHUNK)
         assert lookup(store, torn) == NONE
         crashed.conn._stop.set()
-        crashed.conn.client.close()
+        crashed.conn.wire.close()
         assert store.flush(10)  # no hand-back is still waiting for the server
         waited = store.conn.waited_out
         s.kill()

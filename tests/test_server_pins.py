@@ -129,7 +129,7 @@ def _bad_slots(store, call: str, monkeypatch) -> list:
     """Make the server's answers to `call` name slots past the end of its L1 segment
     (the reply as LMCache sends it, offsets changed): what the connection does with
     such an answer is under test, the server itself runs as it is."""
-    client, seen = store.conn.client, []
+    client, seen = store.conn.wire.client, []
     real = getattr(client, call)
 
     class Future:

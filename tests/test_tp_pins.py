@@ -63,7 +63,7 @@ def sync(client) -> None:
 
 def pinned_keys(store, service, req_id):
     hit = service._hits.get((req_id, 0))
-    return set() if hit is None else set(hit.pinned.handles[1])
+    return set() if hit is None else set(hit.pinned.handles.keys)
 
 
 def locked(store, hashes):

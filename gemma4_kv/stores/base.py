@@ -33,7 +33,7 @@ import abc
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:  # the settings and the scheduler read this module without torch
     import torch
@@ -66,13 +66,19 @@ class StoreCapabilities:
     `verify_checksums` says (the settings refuse turning it off)."""
 
 
+H = TypeVar("H")
+"""A store's own handle type for what a pin holds."""
+
+
 @dataclass
-class Pinned:
+class Pinned(Generic[H]):
     """Objects held for one hit: views to load from, until `ChunkStore.release`."""
 
     views: dict[ChunkKey, torch.Tensor]
-    handles: list = field(default_factory=list)
-    """What the store gives back on release (its own locks)."""
+    handles: H | None = None
+    """What the store gives back on release (its own locks), of a type the store
+    defines and checks on entry to `release` (a pin of another store is refused);
+    emptied by the release."""
     fresh_until: float = math.inf
     """`time.monotonic()` after which the pin must not be offered to a new load: a
     store whose hold on the objects lapses on its own (the `lmcache server`'s read

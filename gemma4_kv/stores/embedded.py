@@ -193,7 +193,10 @@ class EmbeddedStore(ChunkStore):
             elif isinstance(d, Rejected):
                 if self.stats is not None:
                     self.stats.add("rejected_objects", len(d.cells))
-                self._delete(self.capacity.dropped(d.cells))
+                # The other objects of the ends this evicts stay in L1: a prefetch
+                # may have brought them up past its hit, and once the engine stores
+                # the bad chunk again they serve (tests/test_remote_tier.py).
+                self.capacity.dropped(d.cells)
             elif isinstance(d, Done):
                 self._delete(self.capacity.finished(d.owner))
 
@@ -220,7 +223,7 @@ class EmbeddedStore(ChunkStore):
                 handle = EmbeddedPin(self.namespace, tuple(locked), end.key)
                 self.capacity.served(end, self._sizes(end.cells), create=start == 0,
                                      req_id=req_id)
-                done = Pinned(views, [handle])
+                done = Pinned(views, handle)
         finally:  # a miss, or a read that raised: none of its locks stays behind
             if done is None:
                 self.tier.unlock(locked)
@@ -268,17 +271,17 @@ class EmbeddedStore(ChunkStore):
 
     def release(self, pinned: Pinned | None) -> None:
         """Give back what `pin` held; a `Pinned` of another store is a bug (TypeError)."""
-        if pinned is None or not pinned.handles:
+        if pinned is None or pinned.handles is None:
             return
-        if not all(isinstance(h, EmbeddedPin) for h in pinned.handles):
+        h = pinned.handles
+        if not isinstance(h, EmbeddedPin):
             raise TypeError("gemma4-kv: the embedded store was handed a pin of another "
-                            f"store: {pinned.handles!r}")
-        handles, pinned.handles = pinned.handles, []
-        for h in handles:
-            self.tier.unlock(list(h.keys))
-            self.capacity.unpinned(h.end)
-            if h.namespace != self.namespace:  # reset while loading: nothing tracks them
-                self.tier.delete(list(h.keys))
+                            f"store: {h!r}")
+        pinned.handles = None
+        self.tier.unlock(list(h.keys))
+        self.capacity.unpinned(h.end)
+        if h.namespace != self.namespace:  # reset while loading: nothing tracks them
+            self.tier.delete(list(h.keys))
 
     # -- writes -----------------------------------------------------------------------
     def reserve(self, write: ChunkWrite) -> Reservation:

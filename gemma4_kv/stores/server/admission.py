@@ -75,7 +75,7 @@ class Admission:
         self.state = Pressure.ROOM
         self._until = 0.0  # FULL until then (under _lock, as everything below)
         self._epoch: int | None = None
-        self._freq = Ranking({}, lambda: 0, window_share=0.0, protected_share=0.0,
+        self._freq = Ranking(window_share=0.0, protected_share=0.0,
                              min_sample=min_sample)  # only its frequencies
         self._resident: OrderedDict[EndKey, None] = OrderedDict()
         """Ends this engine stored or hit on the server, least recent first."""

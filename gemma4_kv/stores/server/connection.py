@@ -30,14 +30,16 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import TypeVar
 
 from ...layout.groups import KVGroup, KVLayout
 from ...layout import integrity
-from .. import lmcache
+from ..lmcache import GroupShape, Pending, ServerWire
 from .shm import SharedL1, UnsupportedServer
+from .space import Lease, Space, Use
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 HASH_BYTES = 32
 """Length of gemma4-kv's chunk hashes (sha256): 8 uint32 "tokens"."""
@@ -173,28 +175,14 @@ def runs(indices: Iterable[int]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
-@dataclass
-class Space:
-    """One namespace's registrations: a model name and an instance id per group."""
-
-    namespace: str
-    names: dict[int, str]
-    ids: dict[int, int]
-    open_writes: int = 0
-    open_reads: int = 0
-    """Lookups and pins holding the server's read locks in this space: unregistering
-    drops them mid-load, and the next free of them would go unanswered."""
-    retired: bool = False
-    """Replaced (`rename`): unregistered once nothing reads or writes in it."""
-
-
 class ServerConnection:
     """One client's registrations on a server, the heartbeat that keeps them, and the
     calls of `reads.ServerReads` and `writes.ServerWrites` (`call`, `key`, `later`).
 
-    `state` serialises what several threads change together (spaces' open counts, the
-    readers' shared retrieves); `on_new_server` callbacks run when another server
-    process answers (its predecessor's locks and reads went with it)."""
+    Every read and write holds a `Lease` on the space it runs in (`lease`), which
+    unregisters a replaced space once the last one closes. `on_new_server` callbacks
+    run when another server process answers (its predecessor's locks and reads went
+    with it). No lock of this class is held across a call to the server."""
 
     def __init__(self, url: str, layout: KVLayout, namespace: str, chunk_size: int, *,
                  timeout_s: float = 1.0, ping_interval_s: float = 20.0,
@@ -209,9 +197,8 @@ class ServerConnection:
         already waiting when it went."""
         self._counting = threading.Lock()
         check_speaks_zmq(url, max(timeout_s, CONNECT_TIMEOUT_S))
-        self.client = lmcache.server_client(url)
+        self.wire = ServerWire(url)
         self._healthy = True
-        self.state = threading.RLock()
         self.groups = {g.group_id: g for g in layout.groups}
         self._slots = {gid: object_slots(g, chunk_size) for gid, g in self.groups.items()}
         self.l1 = SharedL1(url, prefault=prefault, cuda_register=cuda_register)
@@ -219,17 +206,17 @@ class ServerConnection:
         self._space = self._new_space(namespace)
         try:
             wait = max(timeout_s, CONNECT_TIMEOUT_S)
-            if not self.call(self.client.ping(None), "ping", timeout_s=wait):
+            if not self.call(self.wire.ping(None), "ping", timeout_s=wait):
                 raise ServerUnavailable(f"{url}: ping refused")
-            self.server_chunk = int(self.call(self.client.get_chunk_size(),
-                                               "get_chunk_size", timeout_s=wait))
+            self.server_chunk = self.call(self.wire.chunk_size(), "get_chunk_size",
+                                          timeout_s=wait)
             if self.server_chunk * 4 < HASH_BYTES:
                 raise UnsupportedServer(f"server chunk size {self.server_chunk} holds no "
                                         f"{HASH_BYTES}-byte hash: start it with --chunk-size 8")
             self._register(self._space, timeout_s=wait)
             self._probe_wire(timeout_s=wait)
         except Exception:
-            self.client.close()
+            self.wire.close()
             raise
         self.later = Later("gemma4kv-mp-later")
         self._stop = threading.Event()
@@ -252,8 +239,8 @@ class ServerConnection:
         return self.l1.size
 
     # -- connection -------------------------------------------------------------------
-    def call(self, future, what: str, *, probing: bool = False,
-             timeout_s: float | None = None):
+    def call(self, future: Pending[T], what: str, *, probing: bool = False,
+             timeout_s: float | None = None) -> T:
         """The answer of one RPC within `timeout_s` (default: the connection's), or
         ServerUnavailable. Gives up at once when another thread has found the server
         down (unless `probing`)."""
@@ -299,15 +286,10 @@ class ServerConnection:
     def _register(self, space: Space, probing: bool = False,
                   timeout_s: float | None = None) -> None:
         """Register every group of `space` (idempotent on the server), map its L1."""
-        futures = []
-        for gid, g in self.groups.items():
-            futures.append(self.client.register_kv_cache_engine_driven_context(
-                lmcache.server_registration(
-                    instance_id=space.ids[gid], model_name=space.names[gid],
-                    world_size=1, block_size=g.block_size, num_layers=len(g.layers),
-                    hidden_dim_size=g.num_kv_heads * g.head_size,
-                    dtype_str=str(g.dtype).removeprefix("torch."), use_mla=False,
-                    num_physical_slots=self._slots[gid])))
+        futures = [self.wire.register(space.ids[gid], space.names[gid], GroupShape(
+            g.block_size, len(g.layers), g.num_kv_heads * g.head_size,
+            str(g.dtype).removeprefix("torch."), self._slots[gid]))
+            for gid, g in self.groups.items()]
         pools = {(r.shm_name, r.pool_size) for r in
                  (self.call(f, "register", probing=probing, timeout_s=timeout_s)
                   for f in futures)}
@@ -318,7 +300,7 @@ class ServerConnection:
                 "engine_driven --shm-name NAME --no-l1-use-lazy and a /dev/shm larger than L1")
         self._mapped(name, size)
         for iid in space.ids.values():  # ping-proven: reaped after 120 s of silence, not 3600
-            self.call(self.client.ping(iid), "ping", probing=probing, timeout_s=timeout_s)
+            self.call(self.wire.ping(iid), "ping", probing=probing, timeout_s=timeout_s)
 
     def _probe_wire(self, probing: bool = False, timeout_s: float | None = None) -> None:
         """A keyed call that does nothing (an empty range): a server of another wire
@@ -327,13 +309,12 @@ class ServerConnection:
         space = self._space
         g = next(iter(space.names))
         try:
-            self.call(self.client.free_lookup_locks(
+            self.call(self.wire.free_lookup_locks(
                 self.key(space, g, self.tokens([bytes(HASH_BYTES)]), 0, 0, self.new_rid(),
-                          None), 1), "free_lookup_locks", probing=probing,
-                timeout_s=timeout_s)
+                         None)), "free_lookup_locks", probing=probing, timeout_s=timeout_s)
         except ServerUnavailable:
             for iid in space.ids.values():  # nothing was reserved: safe to unregister
-                self.client.unregister_kv_cache_engine_driven_context(iid)
+                self.wire.unregister(iid)
             raise UnsupportedServer(
                 f"{self.url} does not decode LMCache 0.5.6 keys (IPCCacheServerKey.token_ids):"
                 " client and server LMCache versions must match") from None
@@ -349,7 +330,7 @@ class ServerConnection:
             ids = list(space.ids.values()) if was else list(space.ids.values())[:1]
             try:
                 for iid in ids:
-                    self.call(self.client.ping(iid), "ping", probing=True)
+                    self.call(self.wire.ping(iid), "ping", probing=True)
                 if not was:
                     self._register(space, probing=True)
                     self._probe_wire(probing=True)  # it may have come back as another version
@@ -371,7 +352,7 @@ class ServerConnection:
 
     def rename(self, namespace: str) -> None:
         """Use new registrations under `namespace` from now on (`ChunkStore.reset`); the
-        old ones are unregistered once nothing is open in them (`_settle`)."""
+        old ones are unregistered once nothing is open in them (`Space.retire`)."""
         old, new = self._space, self._new_space(namespace)
         self._space = new
         try:
@@ -380,21 +361,21 @@ class ServerConnection:
         except Exception as e:
             self._healthy = False  # the heartbeat registers `new` once the server answers
             raise ServerUnavailable(f"{self.url}: cannot register {namespace}: {e}") from e
-        with self.state:
-            old.retired = True
-        self.settle(old)
+        if old.retire():
+            self._unregister(old)
 
-    def settle(self, space: Space) -> None:
-        """Unregister a retired space once no read or write is open in it (open writes:
+    def lease(self, use: Use) -> Lease:
+        """A read or write opened now, in the registrations in use now: a replaced
+        space is unregistered once its last lease closes."""
+        return self._space.lease(use, self._unregister)
+
+    def _unregister(self, space: Space) -> None:
+        """Unregister a retired space nothing is open in any more (open writes:
         unregistering would commit them unwritten; they expire, the reaper takes the
         rest; open reads: the server would drop their locks under a load)."""
-        with self.state:
-            if not space.retired or space.open_writes or space.open_reads:
-                return
-            space.retired = False  # once
         if space is self._space or not self._healthy:
             return
-        for f in [self.client.unregister_kv_cache_engine_driven_context(i)
+        for f in [self.wire.unregister(i)
                   for i in space.ids.values()]:
             self.call(f, "unregister")
 
@@ -412,9 +393,7 @@ class ServerConnection:
     def key(self, space: Space, gid: int, tokens: tuple[int, ...], a: int, b: int,
              request_id: str, worker: int | None = 0):
         s = self.server_chunk
-        return lmcache.server_key(model_name=space.names[gid], world_size=1, worker_id=worker,
-                                 token_ids=tokens, start=a * s, end=b * s,
-                                 request_id=request_id, num_kv_readers=1)
+        return self.wire.key(space.names[gid], tokens, a * s, b * s, request_id, worker)
 
     @staticmethod
     def new_rid() -> str:
@@ -422,10 +401,9 @@ class ServerConnection:
 
     def _mapped(self, name: str, size: int) -> None:
         """The server's L1 segment is `name` (a restarted server has a new one)."""
-        with self.state:
-            if self.l1.map(name, size):
-                for callback in self.on_new_server:
-                    callback()
+        if self.l1.map(name, size):
+            for callback in self.on_new_server:
+                callback()
 
     def views(self, slots: list[dict], gid: int) -> list | None:
         """(KV, trailer) views of reserved or retrieved slots of group `gid`, or None if
@@ -442,7 +420,7 @@ class ServerConnection:
         an empty one (a free then releases nothing)."""
         for f in list(futures):
             self.call(f, "free/commit")
-        for f in [self.client.end_session(r) for r in rids]:
+        for f in [self.wire.end_session(r) for r in rids]:
             self.call(f, "end_session")
 
     def stale(self, thing) -> bool:
@@ -459,10 +437,10 @@ class ServerConnection:
         space = self._space
         if self._healthy and not space.open_writes:
             try:
-                for f in [self.client.unregister_kv_cache_engine_driven_context(i)
+                for f in [self.wire.unregister(i)
                           for i in space.ids.values()]:
                     self.call(f, "unregister")
             except ServerUnavailable:
                 pass
-        self.client.close()
+        self.wire.close()
         self.l1.close()

@@ -59,9 +59,27 @@ class SharedL1:
         would not answer calls naming instances it does not know)."""
 
     def map(self, name: str, size: int) -> bool:
-        """Map segment `name`; whether it is another one than before (a new server)."""
+        """Map segment `name`; whether it is another one than before (a new server).
+        The mapping (populated: tens of ms per GB) is made without the lock, which
+        guards only which mappings this object holds."""
+        path = f"/dev/shm/{name.lstrip('/')}"
+        try:
+            ino = os.stat(path).st_ino
+        except FileNotFoundError:
+            raise UnsupportedServer(f"{self.url}'s L1 {path} is not on this host") from None
         with self._lock:
-            another = self._map(name, size)
+            if ino == self._ino:
+                return False
+        mm, pool = self._open(path, size)
+        with self._lock:
+            if ino == self._ino:  # another thread mapped it meanwhile: ours goes
+                self._close(mm, pool)
+                return False
+            another = self._ino is not None
+            if another:  # another server process: its reads went too
+                self.epoch += 1
+            self._maps[self.epoch] = (mm, pool)
+            self.pool, self._ino, self.size = pool, ino, size
         self._unmap_idle()
         return another
 
@@ -81,14 +99,7 @@ class SharedL1:
                     self._users.pop(epoch, None)
                     self.unmap(epoch)
 
-    def _map(self, name: str, size: int) -> bool:
-        path = f"/dev/shm/{name.lstrip('/')}"
-        try:
-            ino = os.stat(path).st_ino
-        except FileNotFoundError:
-            raise UnsupportedServer(f"{self.url}'s L1 {path} is not on this host") from None
-        if ino == self._ino:
-            return False
+    def _open(self, path: str, size: int) -> tuple[mmap.mmap, torch.Tensor]:
         fd = os.open(path, os.O_RDWR)
         # Without MAP_POPULATE every first touch of a 4 KiB page faults in this process:
         # it made copies into the L1 8x slower (measured, CPU); populating costs about
@@ -101,12 +112,7 @@ class SharedL1:
         pool = torch.frombuffer(mm, dtype=torch.uint8)
         if self._cuda_register:
             cuda_host_register(pool, path)
-        another = self._ino is not None
-        if another:  # another server process: its reads went too
-            self.epoch += 1
-        self._maps[self.epoch] = (mm, pool)
-        self.pool, self._ino, self.size = pool, ino, size
-        return another
+        return mm, pool
 
     def views(self, group: KVGroup, chunk_size: int, slots: list[dict], slot_count: int
               ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
@@ -142,11 +148,13 @@ class SharedL1:
         entry = self._maps.pop(epoch, None)
         if entry is None:
             return
-        mm, pool = entry
-        if self._cuda_register:
-            torch.cuda.cudart().cudaHostUnregister(pool.data_ptr())
         if epoch == self.epoch:
             self.pool = None
+        self._close(*entry)
+
+    def _close(self, mm: mmap.mmap, pool: torch.Tensor) -> None:
+        if self._cuda_register:
+            torch.cuda.cudart().cudaHostUnregister(pool.data_ptr())
         del pool
         try:
             mm.close()

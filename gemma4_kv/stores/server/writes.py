@@ -1,5 +1,9 @@
 """Writes to a running `lmcache server`: objects reserved in its shared-memory L1,
 filled by the client, then committed (or left to expire).
+
+A write holds a `Lease` on its space from its reservation until the server has
+answered its commit and ended its session: unregistering the space before would commit
+its objects unwritten. An abandoned write's lease is never closed, for that reason.
 """
 
 from __future__ import annotations
@@ -10,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .connection import ServerConnection, ServerUnavailable, Space
+from .connection import ServerConnection, ServerUnavailable
+from .space import Lease, Space, Use
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +30,8 @@ class Write:
     """Objects reserved in the server's L1 under one chain: fill, then commit (or leave
     to expire)."""
 
+    lease: Lease
+    """Its write in `space`: closed once its commit and session end are answered."""
     space: Space
     tokens: tuple[int, ...]
     request_id: str
@@ -48,41 +55,34 @@ class ServerWrites:
         holds, or has no room for, get none."""
         conn = self.conn
         conn.check()
-        space, rid = conn.space, conn.new_rid()
+        rid = conn.new_rid()
         end = max((b for rs in runs.values() for _, b in rs), default=0)
         tokens = conn.tokens(hashes[:end])  # one session: the same tokens in every call
-        futures = {(g, a, b): conn.client.prepare_store(
-            conn.key(space, g, tokens, a, b, rid), space.ids[g])
-            for g, rs in runs.items() for a, b in rs}
         objects, reserved, bad = {}, [], None
         epoch = conn.epoch
-        with conn.state:  # counted until committed: never unregistered while open
-            space.open_writes += 1
-        try:
+        with conn.lease(Use.WRITE) as lease:  # kept once anything is reserved
+            space = lease.space
+            futures = {(g, a, b): conn.wire.prepare_store(
+                conn.key(space, g, tokens, a, b, rid), space.ids[g])
+                for g, rs in runs.items() for a, b in rs}
             for (g, a, b), f in futures.items():
-                ctx = conn.call(f, "prepare_store").context
-                slots, idx = ctx.get("slots") or [], ctx.get("chunk_indices") or []
+                reply = conn.call(f, "prepare_store")
+                slots, idx = reply.slots, reply.chunk_indices
                 if not slots:
                     continue
                 reserved.append((g, a, b))
+                lease.keep()  # open on the server: never unregistered until committed
                 views = conn.views(slots, g)
                 if views is None or len(idx) != len(views) \
                         or any(not isinstance(i, int) or not 0 <= i < b - a for i in idx):
                     bad = g
                     continue
                 objects.update({(a + i, g): v for i, v in zip(idx, views)})
-        except BaseException:
-            if not reserved:
-                with conn.state:
-                    space.open_writes -= 1
-            raise
+        write = Write(lease, space, tokens, rid, reserved, objects, epoch)
         if not reserved:
-            with conn.state:
-                space.open_writes -= 1
             conn.later.submit(conn.finish, [], [rid])
-            return Write(space, tokens, rid, reserved, objects, epoch)
+            return write
         conn.l1.use(epoch, 1)
-        write = Write(space, tokens, rid, reserved, objects, epoch)
         if bad is not None:
             # Slots of another shape, or outside the server's L1: nothing is written
             # into them, and what was reserved is left to expire unseen.
@@ -106,28 +106,30 @@ class ServerWrites:
             return False
         space = write.space
         try:
-            futures = [conn.client.commit_store(conn.key(space, g, write.tokens, a, b,
-                                                         write.request_id), space.ids[g], b"")
+            futures = [conn.wire.commit_store(conn.key(space, g, write.tokens, a, b,
+                                                       write.request_id), space.ids[g])
                        for g, a, b in write.runs]
             ok = all([conn.call(f, "commit_store") for f in futures])
-            with conn.state:  # answered: nothing of it is open on the server any more
-                space.open_writes -= 1
         finally:
             self._close_write(write)
         # Answered commits are visible to every lookup from now on; the session's end
         # needs no waiting.
-        conn.later.submit(self._committed, space, write.request_id)
+        conn.later.submit(self._committed, write.lease, write.request_id)
         return ok
 
-    def _committed(self, space: Space, request_id: str) -> None:
-        self.conn.finish([], [request_id])
-        self.conn.settle(space)
+    def _committed(self, lease: Lease, request_id: str) -> None:
+        """The commit was answered: nothing of the write stays open on the server once
+        its session ends."""
+        try:
+            self.conn.finish([], [request_id])
+        finally:
+            lease.close()
 
     def abort(self, write: Write) -> None:
         """Leave the reservations uncommitted: the server drops them after its write TTL
         (0.5.6 has no abort call; unregistering or a reap would commit them)."""
         if write.runs:
             logger.warning("gemma4-kv: reserved objects left to expire on %s", self.conn.url)
-            self._close_write(write)  # still counted open: never unregistered
+            self._close_write(write)  # its lease stays open: never unregistered
             if self.conn.healthy:
                 self.conn.later.submit(self.conn.finish, [], [write.request_id])
