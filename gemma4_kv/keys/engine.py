@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from .. import FORMAT_VERSION
 from ..layout.groups import KVLayout
-from . import weights
+from . import weight_files, weights
 
 OBJECT_FORMAT = "KV_2LTD"
 
@@ -217,7 +217,7 @@ def _processor_config(model_config, load_config) -> dict | None:
     """sha256 of each HF processor file of a multimodal model (None: text only)."""
     if model_config.multimodal_config is None:
         return None
-    folder = weights.weights_dir(model_config, load_config)
+    folder = weight_files.weights_dir(model_config, load_config)
     out = {}
     for name in PROCESSOR_FILES:
         path = os.path.join(folder, name) if folder else None

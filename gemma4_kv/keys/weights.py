@@ -29,7 +29,6 @@ import concurrent.futures
 import contextlib
 import errno
 import fcntl
-import glob
 import hashlib
 import json
 import logging
@@ -37,6 +36,8 @@ import os
 import stat
 import threading
 import time
+
+from .weight_files import FIX, WeightsError, loaded_files
 
 # Under vLLM's logger: vLLM configures only its own, so the progress of a hash shows in
 # the engine's log.
@@ -46,9 +47,6 @@ CACHE_VERSION = 1
 HASH_THREADS = 8
 """Files hashed at once, at most one per CPU this process may use: hashlib releases the
 GIL, and sha256 scaled linearly to 8 threads on the H200 host (1.2 GB/s each)."""
-FIX = 'set kv_connector_extra_config["weights_id"] to name the checkpoint'
-_DEFAULT_LOADER = ("auto", "hf", "safetensors", "fastsafetensors", "instanttensor",
-                   "mistral", "pt", "npcache")
 LOCK_WAIT_S = 60.0
 """How long a start waits for another process of the host to hash the weights before
 it hashes them itself (and leaves the cache to that process). Hashing 60 GB took about
@@ -60,9 +58,6 @@ _hashing_lock = threading.Lock()
 _CACHE_FILE = "weight-digests.json"
 _LOCK_FILE = "weight-digests.lock"
 
-
-class WeightsError(Exception):
-    """The weights cannot be named; the message says which file and the fix."""
 
 
 def cache_dir() -> tuple[str | None, str | None]:
@@ -83,105 +78,6 @@ def cache_dir() -> tuple[str | None, str | None]:
     if os.path.isabs(home):
         return os.path.join(home, ".cache", "gemma4-kv"), None
     return None, f"no absolute home directory or XDG_CACHE_HOME; {fix}"
-
-
-def weights_dir(model_config, load_config) -> str | None:
-    """The directory vLLM loads the weights from: a local path, or the Hugging Face
-    snapshot in vLLM's `download_dir` (its default cache when unset). None if the
-    snapshot is not on this machine yet."""
-    path = getattr(model_config, "model_weights", "") or model_config.model
-    if os.path.isdir(path):
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(path, revision=model_config.revision,
-                                 cache_dir=getattr(load_config, "download_dir", None),
-                                 local_files_only=True)
-    except Exception:  # noqa: BLE001 - not downloaded: vLLM will fetch it
-        return None
-
-
-def loaded_files(model_config, load_config) -> list[str]:
-    """The weight files vLLM's loader reads for this model and load format, sorted."""
-    fmt = str(getattr(load_config, "load_format", "auto")).lower()
-    folder = weights_dir(model_config, load_config)
-    if folder is None:
-        raise WeightsError(f"the weights of {model_config.model!r} (revision "
-                           f"{model_config.revision}) are not on this machine; {FIX}")
-    if fmt in _DEFAULT_LOADER:
-        fall_back_to_pt, overrides = _model_load_rules(model_config)
-        files = _default_loader_files(folder, fmt, fall_back_to_pt, overrides)
-    elif fmt == "sharded_state":  # vLLM's ShardedStateLoader: every rank's shards
-        files = glob.glob(os.path.join(folder, "*.safetensors"))
-    else:
-        raise WeightsError(f"load_format {fmt!r}: gemma4-kv cannot tell which files vLLM "
-                           f"loads; {FIX}")
-    if not files:
-        raise WeightsError(f"no weight file that load_format {fmt!r} reads in {folder}; "
-                           f"{FIX}")
-    return sorted(files)
-
-
-def _model_load_rules(model_config) -> tuple[bool, list[str] | None]:
-    """The model class's say in which files load (`fall_back_to_pt_during_load`,
-    `allow_patterns_overrides`, as vLLM's DefaultModelLoader reads them)."""
-    from vllm.model_executor.models.registry import ModelRegistry
-
-    try:
-        cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
-    except Exception as e:  # noqa: BLE001 - reported as the reason nothing is cached
-        raise WeightsError(f"cannot resolve the model class of {model_config.model!r} "
-                           f"({e}); {FIX}") from None
-    return (getattr(cls, "fall_back_to_pt_during_load", True),
-            getattr(cls, "allow_patterns_overrides", None))
-
-
-def _default_loader_files(folder: str, load_format: str, fall_back_to_pt: bool,
-                          overrides: list[str] | None) -> list[str]:
-    """`DefaultModelLoader._prepare_weights` (vLLM 0.32) on a local folder, through
-    vLLM's public filters: the first pattern with files wins, safetensors are filtered
-    by their index, other formats lose the trainer's files."""
-    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME
-    from vllm.model_executor.model_loader.weight_utils import (
-        filter_duplicate_safetensors_files, filter_files_not_needed_for_inference)
-    from vllm.transformers_utils.repo_utils import list_filtered_repo_files
-
-    index_file = SAFE_WEIGHTS_INDEX_NAME
-    use_safetensors = False
-    if load_format == "auto":
-        load_format = ("mistral" if list_filtered_repo_files(
-            folder, allow_patterns=["consolidated*.safetensors"]) else "hf")
-    if load_format == "hf":
-        patterns = ["*.safetensors", "*.bin"]
-    elif load_format in ("safetensors", "fastsafetensors", "instanttensor"):
-        use_safetensors, patterns = True, ["*.safetensors"]
-    elif load_format == "mistral":
-        use_safetensors, patterns = True, ["consolidated*.safetensors"]
-        index_file = "consolidated.safetensors.index.json"
-    elif load_format == "pt":
-        patterns = ["*.pt"]
-    else:  # npcache
-        patterns = ["*.bin"]
-    if fall_back_to_pt and not use_safetensors:
-        patterns += ["*.pt"]
-    if overrides is not None:
-        patterns = overrides
-    files: list[str] = []
-    for pattern in patterns:
-        files += glob.glob(os.path.join(folder, pattern))
-        if files:
-            use_safetensors = use_safetensors or pattern.endswith(".safetensors")
-            break
-    if not use_safetensors:
-        return filter_files_not_needed_for_inference(files)
-    if overrides is not None:
-        return files
-    try:
-        return filter_duplicate_safetensors_files(files, folder, index_file)
-    except (OSError, ValueError, KeyError) as e:
-        raise WeightsError(f"cannot read {os.path.join(folder, index_file)} ({e}); "
-                           f"{FIX}") from None
 
 
 def weights_signature(model_config, load_config) -> str:
