@@ -16,7 +16,7 @@ if [ ! -f /tmp/g4site/.done ]; then
 fi
 # This package again whenever its sources differ from the installed ones: a machine kept
 # warm between calls would otherwise run an earlier tree's package (tests run with -P).
-_src=$(cat setup.py pyproject.toml $(find gemma4_kv kernels -type f \( -name '*.py' -o -name '*.json' \) | sort) | sha256sum | cut -c1-16)
+_src=$(cat setup.py pyproject.toml $(find gemma4_kv -type f \( -name '*.py' -o -name '*.json' \) | sort) | sha256sum | cut -c1-16)
 if [ "$(cat /tmp/g4/.src 2>/dev/null)" != "$_src" ]; then
   rm -rf /tmp/g4
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/g4 .
