@@ -15,6 +15,9 @@ INTENDED = {
     "needs root to give a directory to another uid": "as above",
     "root may write anywhere": "the unwritable-path check cannot fail for root",
     "set G4KV_LMCACHE_OTHER": "needs an LMCache of another wire format, not installed",
+    "set G4KV_MM_CPU=1": "the multimodal CPU case: about a minute of CI's 15 (measured "
+                         "16:06 in all with it, 2026-12-05); tests/test_e2e_gpu_mm.py "
+                         "runs it on the GPU",
 }
 
 

@@ -19,6 +19,11 @@ from engine_zygote import SPAWN_AFRESH
 
 require("vllm")
 pytestmark = pytest.mark.vllm
+OPT_IN = "G4KV_MM_CPU"
+if not os.environ.get(OPT_IN):
+    pytest.skip(f"set {OPT_IN}=1 to run the multimodal CPU case (three engines): kept out "
+                "of CI's 15 minutes; the GPU runs it (benchmarks/gpu.sh mm)",
+                allow_module_level=True)
 
 ENGINE = {"dtype": "float32", "block_size": 32}
 """Sliding groups get 64-token blocks, full ones 32: the hit multiple is 64."""

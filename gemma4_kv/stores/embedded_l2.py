@@ -20,6 +20,7 @@ objects failed verification, a lookup is done) it returns as decisions
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
@@ -57,7 +58,8 @@ class L2Prefetches(Rounds):
     what L1 may offer (`resident`, `withheld`), tells it what left L1, and applies the
     decisions it returns. Objects a prefetch brought up are verified by its `Verifier`,
     off the lookup thread. Lookup thread, but for `stored` and `left_l1`, which the
-    store's writes call from the model thread (as before: their sets are not locked)."""
+    store's writes call from the model thread: the sets they change are changed only
+    under `_marks`."""
 
     def __init__(self, tier: StorageLayer, layout: KVLayout, chunk_size: int, *,
                  layouts: dict[int, object], sizes: dict[int, int], kv_rank: int = 0,
@@ -75,6 +77,10 @@ class L2Prefetches(Rounds):
         self._hung: deque = deque()  # given up, tasks unanswered; polled in turn
         self._hung_keys: Counter = Counter()  # what those may still bring up from L2
         self._unverified: set = set()  # keys a given-up prefetch may bring up unverified
+        self._marks = threading.Lock()
+        """Guards every change to `_bad`, `_unverified` and `_hung_keys`, which the
+        model thread's writes change too (`stored`, `left_l1`); held for no I/O.
+        Membership tests read them without it (one atomic lookup)."""
         self._verifier = Verifier()
         self._decided: list[Decision] = []  # of the call running; returned by it
 
@@ -124,23 +130,28 @@ class L2Prefetches(Rounds):
     def stored(self, keys) -> None:
         """Fresh copies of these keys were written: they replace ones that failed or
         awaited verification."""
-        self._bad.difference_update(keys)
-        self._unverified.difference_update(keys)
+        with self._marks:
+            self._bad.difference_update(keys)
+            self._unverified.difference_update(keys)
 
     def left_l1(self, keys) -> None:
         """Keys deleted from L1: a given-up prefetch still running may bring them back
         from L2 unverified, so they are verified again before they are offered."""
-        if self._hung_keys:
-            self._unverified.update(k for k in keys if k in self._hung_keys)
+        with self._marks:
+            if self._hung_keys:
+                self._unverified.update(k for k in keys if k in self._hung_keys)
 
     def l1_cleared(self) -> None:
         """L1 was emptied: everything a given-up prefetch may bring back is unverified."""
-        self.left_l1(list(self._hung_keys))
+        with self._marks:
+            hung = list(self._hung_keys)
+        self.left_l1(hung)
 
     def reset(self) -> None:
         """The store moved to a new generation: keys of the old one are never looked up
         again, so none awaits verification."""
-        self._unverified.clear()
+        with self._marks:
+            self._unverified.clear()
 
     def counts(self) -> dict[str, int]:
         """What it tracks, for health snapshots: prefetches in flight and given up, keys
@@ -229,8 +240,9 @@ class L2Prefetches(Rounds):
         still polled: what they lock when they answer is unlocked then."""
         self._tier.unlock(held)
         self._decided.append(Landed(job.owner, gave_up=True))  # what lands later: untracked
-        self._unverified.update(job.hung_keys)
-        self._hung_keys.update(job.hung_keys)
+        with self._marks:
+            self._unverified.update(job.hung_keys)
+            self._hung_keys.update(job.hung_keys)
         self._maybe_untrusted.subtract(untrusted)
         self._maybe_untrusted += Counter()
         self._hung.append(job)
@@ -243,8 +255,9 @@ class L2Prefetches(Rounds):
         self._tier.unlock([keys[i] for (_, rows), result in zip(job.tasks, job.results)
                            for row, (_, _, keys) in enumerate(rows)
                            for i in result.hit[row]])
-        self._hung_keys.subtract(job.hung_keys)
-        self._hung_keys += Counter()  # drop zero counts
+        with self._marks:
+            self._hung_keys.subtract(job.hung_keys)
+            self._hung_keys += Counter()  # drop zero counts
 
     def _check_unverified(self, gid: int, keys: list, present: list[int]) -> None:
         """Verify the objects among `keys[present]` (in L1) that a given-up prefetch may
@@ -260,13 +273,15 @@ class L2Prefetches(Rounds):
         finally:
             self._tier.unlock(locked)
         bad = [k for k, ok in verdict.items() if ok is False]
-        self._unverified.difference_update(k for k, ok in verdict.items() if ok)
+        with self._marks:
+            self._unverified.difference_update(k for k, ok in verdict.items() if ok)
         if bad:
             self._drop_bad(bad)
 
     def _drop_bad(self, bad: list) -> None:
-        self._bad.update(bad)
-        self._unverified.difference_update(bad)
+        with self._marks:
+            self._bad.update(bad)
+            self._unverified.difference_update(bad)
         self._tier.delete_everywhere(bad)
         self._decided.append(Rejected(tuple((k.chunk_hash, k.object_group_id) for k in bad)))
         logger.warning("gemma4-kv: %d object(s) from an L2 tier failed verification "
@@ -329,7 +344,8 @@ class L2Prefetches(Rounds):
             elif ok is False:
                 bad.append(key)
             else:  # not verified: verified again before it is ever offered
-                self._unverified.add(key)
+                with self._marks:
+                    self._unverified.add(key)
         if p.namespace == namespace:
             # Tracked from now on: the hit's objects are held for the lookup's pin (if
             # it still waits), what no hit needs is deleted (strays at once).
@@ -356,7 +372,8 @@ class L2Prefetches(Rounds):
         except Exception as e:  # noqa: BLE001 - LMCache's read failed: not offered yet
             logger.warning("gemma4-kv: reading an object to verify it failed (%s); it is "
                            "not offered until it verifies", e)
-            self._unverified.add(key)
+            with self._marks:
+                self._unverified.add(key)
             return None
         if obj is None:
             return False
