@@ -20,6 +20,7 @@ import time
 import torch
 
 from gemma4_kv.layout import integrity
+from common.timing import cuda_median
 
 SHAPES = {"sliding": (2, 10, 256, 4096), "full": (2, 10, 256, 2048)}
 
@@ -31,17 +32,7 @@ def gpu_seal(objects: int, shape, reps: int) -> dict:
     nbytes = kv.numel() * kv.element_size()
 
     def timed(fn) -> float:
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        return statistics.median(times)
+        return cuda_median(fn, reps)[0]
 
     dst = torch.empty_like(kv)
     seal = timed(lambda: integrity.seal_many(kv, keys))

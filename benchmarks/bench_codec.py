@@ -34,6 +34,7 @@ from gemma4_kv.layout.from_hf import hf_layout, load_text_config
 from gemma4_kv.stores import cachegen, codec
 from gemma4_kv.tools.cli import bundled_config
 from common.plots import pyplot, save
+from common.timing import cuda_median
 
 CHUNK = 256
 KEY = integrity.key64("bench_codec", b"b" * 32, 1)
@@ -54,19 +55,6 @@ def wall(fn, repeats: int) -> float:
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def gpu_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
     return statistics.median(times)
 
 
@@ -94,9 +82,9 @@ def group_row(shape_name: str, group, bits: int, repeats: int, devices,
             arrays = cachegen.encode_tensors(x, bits)
             body = torch.cat(arrays)
             p, t, c = x.shape
-            enc_k = gpu_time(lambda: cachegen.encode_tensors(x, bits), repeats)
-            dec_k = gpu_time(lambda: cachegen.decode_tensors(body, p, t, c, bits,
-                                                             torch.bfloat16), repeats)
+            enc_k = cuda_median(lambda: cachegen.encode_tensors(x, bits), repeats)[0]
+            dec_k = cuda_median(lambda: cachegen.decode_tensors(body, p, t, c, bits,
+                                                               torch.bfloat16), repeats)[0]
             row["gbps"]["cachegen_core_cuda"] = [kv_bytes / enc_k / 1e9, kv_bytes / dec_k / 1e9]
             if profile:  # where the serde's time goes, beside the core's
                 import cProfile

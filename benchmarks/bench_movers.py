@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from gemma4_kv.layout.from_hf import hf_layout, load_text_config  # noqa: E402
 from gemma4_kv.kernels import copy_blocks  # noqa: E402
 from gemma4_kv.tools.cli import bundled_config  # noqa: E402
 from paged import bits  # noqa: E402
+from common.timing import cuda_median  # noqa: E402
 
 CHUNK = 256
 SHAPES = {"31b-like": "gemma4-31b-like", "e4b-like": "gemma4-e4b-like"}
@@ -246,18 +246,7 @@ def check_h2d(case, run, refs):
 
 # -- timing ------------------------------------------------------------------------------
 def time_it(run, min_reps=5, max_reps=30, budget_s=2.0):
-    run()
-    torch.cuda.synchronize()
-    times = []
-    t_start = time.perf_counter()
-    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - t_start < budget_s):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times), len(times)
+    return cuda_median(run, min_reps, max_reps, budget_s)
 
 
 def matmul_slowdown(run, transfer_s):

@@ -210,9 +210,7 @@ def encode_into(raw, out, kv_shape, dtype: torch.dtype, bits: int,
     key64 = _signed(check - int(integrity.weighted_sums(kv.view(1, -1))[0]))
     dst = memoryview(out).cast("B")
     size = SUB.size + sum(parts(p, t, c, bits))
-    if codec.HEADER + size > len(dst):
-        raise codec.DoesNotFit(f"cachegen: {size} bytes of payload, the frame holds "
-                               f"{len(dst) - codec.HEADER}")
+    codec.check_fits(len(dst), size, len(src))  # before anything is written
     SUB.pack_into(dst, codec.HEADER, key64, p, t, c, ANCHOR, bits, _CODES[dtype],
                   len(src) - kv_bytes)
     start = codec.HEADER + SUB.size

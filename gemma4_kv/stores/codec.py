@@ -119,12 +119,14 @@ def write_frame(out, codec_id: int, width: int, kind: int, raw_len: int,
     `out` (its whole length is the frame): header, payload, zero padding, checksum.
     Returns that length; raises `DoesNotFit` (nothing written) if it does not fit."""
     dst = memoryview(out).cast("B")
-    _fits(len(dst), len(payload), raw_len)
+    check_fits(len(dst), len(payload), raw_len)
     dst[HEADER:HEADER + len(payload)] = payload
     return seal_frame(dst, codec_id, width, kind, raw_len, len(payload))
 
 
-def _fits(total: int, payload_len: int, raw_len: int) -> None:
+def check_fits(total: int, payload_len: int, raw_len: int) -> None:
+    """Raise `DoesNotFit` unless a payload of `payload_len` bytes fits a frame of
+    `total` (the object's `raw_len` bytes named in the message)."""
     if HEADER + payload_len > total:
         raise DoesNotFit(f"{raw_len} bytes encode to {payload_len}, the frame holds "
                          f"{total - HEADER}")
@@ -136,7 +138,7 @@ def seal_frame(out, codec_id: int, width: int, kind: int, raw_len: int,
     the zero padding, the header and the checksum. Returns the frame's length."""
     dst = memoryview(out).cast("B")
     total = len(dst)
-    _fits(total, payload_len, raw_len)
+    check_fits(total, payload_len, raw_len)
     end = HEADER + payload_len
     dst[end:total] = bytes(total - end)
     _HEAD.pack_into(dst, 0, MAGIC, VERSION, codec_id, width, kind, raw_len,
