@@ -13,6 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from gemma4_kv.layout import integrity
+from gemma4_kv.lookup import messages
+from gemma4_kv.lookup.service import LookupService
+from gemma4_kv.lookup.wait import Rates
 from gemma4_kv.stores.base import ChunkWrite
 from gemma4_kv.stores.server.admission import Admission, Pressure
 from lmcache_servers import Server
@@ -182,3 +185,53 @@ def test_a_save_past_the_lookups_reach_is_no_sign_of_eviction():
     a.looked_up("r4", 768)  # the control: it could have hit 768, and did not
     a.admit("r4", end768, 1)  # (admitted or not by frequency: 2 before, against 1)
     assert a.state is Pressure.FULL
+
+
+def _lookup_until_answered(service, req: str, hashes) -> messages.LookupReply:
+    """A lookup as the scheduler asks it: again while it is pending (bounded)."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        reply = service.lookup(messages.Lookup(req, hashes, 0, len(hashes) * CHUNK))
+        if not reply.pending:
+            return reply
+        assert time.monotonic() < deadline, "the lookup never settled"
+        service.advance()
+        time.sleep(0.002)
+
+
+def test_a_miss_the_server_was_not_asked_about_is_no_sign_of_eviction():
+    """On a busy machine a lookup may not wait for the server (its fetch is not worth
+    the prefill it saves, or it was given up): the request misses without the server
+    having answered, and saves its prompt again. That says nothing of the server's L1.
+    On 69509a6 the lookup recorded its reach before the server answered, so the second
+    save of a stored end turned the engine FULL and refused every new end for
+    `HOLD_S` (CI: tests/test_e2e_eagle.py's server case hit [0, 0, 512, 512] where
+    [0, 512, 512, 1024] is due). Real server, real ServerStore, the real
+    LookupService; only its rates are set, by hand: 1 ns of prefill per token against
+    1 byte per second from the server, so no fetch is worth waiting for. The control:
+    the same prompt looked up with the server answering is a hit, bit-exact."""
+    server = Server(l1_gb=0.25)
+    store = open_store(server.url)
+    try:
+        assert save(store, 1, "r1") > 0
+        hashes = chunk_hashes(tokens_of(1, CHUNKS), CHUNK)
+        hurried = Rates()
+        hurried.prefill(1000, 1e-6)
+        hurried.fetched(1, 1.0)
+        busy = LookupService(store, store.layout, CHUNK, timeout_s=SETTLE_S, rates=hurried)
+        reply = _lookup_until_answered(busy, "r2", hashes)
+        assert reply.pinned == 0  # not asked: a miss
+        save(store, 1, "r2")  # the miss is saved again (the server holds it: no objects)
+        assert store.admission.state is Pressure.ROOM and store.admission.refused == 0
+        assert save(store, 2, "r3") > 0  # a new prompt's end is stored
+        patient = LookupService(store, store.layout, CHUNK, timeout_s=SETTLE_S)
+        reply = _lookup_until_answered(patient, "r4", hashes)
+        assert reply.pinned == CHUNKS * CHUNK  # the control: answered, a hit
+        hit = patient.take("r4", 0)
+        assert all(torch.equal(bits(hit.pinned.views[(hashes[c], g)]),
+                               bits(payload((c, g), hit.pinned.views[(hashes[c], g)], 1)))
+                   for c, g in cells(0, CHUNKS * CHUNK))
+        patient.done(hit)
+    finally:
+        store.close()
+        server.stop()

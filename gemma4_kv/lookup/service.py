@@ -103,13 +103,17 @@ class LookupService:
         now = self._clock()
         n = min(len(msg.hashes), -(-msg.limit // self.chunk_size))
         chain = msg.hashes[:n]
-        self.store.looked_up(msg.req_id, min(msg.limit, n * self.chunk_size))
+        target = min(msg.limit, n * self.chunk_size)
+        # Nothing of this lookup answered yet: a save of the request is no sign of
+        # what the slower tier holds until it has answered (`ChunkStore.looked_up`).
+        self.store.looked_up(msg.req_id, 0)
         pending = self._pending.pop(msg.req_id, None)
         candidates = None
         if pending is None and self.store.slow_tier_up() and self.wait.allows(now):
             candidates = self._candidates(chain, msg.start, msg.limit, msg.spans)
-            target = min(msg.limit, n * self.chunk_size)
             have = candidates[0] if candidates else msg.start
+            if have >= target:  # a verified hit of all of it: the tier has answered
+                self.store.looked_up(msg.req_id, target)
             wait = self.wait.start(now, target - have, self.store.fetch_bytes(
                 chain, msg.start, msg.limit), have) if have < target else None
             if wait is not None:  # a slower tier may hold a longer hit worth waiting for
@@ -123,6 +127,8 @@ class LookupService:
             if p.finished:
                 self.wait.fetched(p.loaded_bytes, (p.finished_at or p.started) - p.started)
                 loaded = p.loaded
+                if p.answered:
+                    self.store.looked_up(msg.req_id, target)
             elif self.wait.keep_waiting(pending.wait, now, p.progress_bytes):
                 self._pending[msg.req_id] = pending
                 return messages.LookupReply(pending=True)

@@ -102,6 +102,10 @@ class Prefetch:
     """Their size: with `finished_at - started`, the tier's throughput."""
     rejected: int = 0
     """Objects it found damaged and dropped."""
+    answered: bool = False
+    """The slower tier told what it holds for it (then a hit may still fail its
+    checks). False while it asks, and if it failed or was given up: a store whose
+    `looked_up` draws conclusions from misses sets it; the others may leave it."""
     progress_bytes: int | None = None
     """Bytes brought up so far, for stores that can tell while it runs (None: this store
     cannot): `lookup.wait.WaitPolicy.keep_waiting` then waits for a slow tier as long as
@@ -191,10 +195,12 @@ class ChunkStore(abc.ABC):
         Idempotent."""
 
     def looked_up(self, req_id: str, reach: int) -> None:
-        """Request `req_id` was looked up for a hit of at most `reach` tokens (its chain's
-        keyable chunks, capped by the lookup's limit): a later save of it towards an
-        end past `reach` is not that end "asked again", whatever the hit. Lookup
-        thread, never waits, called before every lookup's first store read. A store
+        """The slower tier has answered request `req_id`'s lookup for a hit of up to
+        `reach` tokens (its chain's keyable chunks, capped by the lookup's limit; 0 when
+        the lookup starts): a later save of it towards an end past `reach` is not that
+        end "asked again", whatever the hit. A lookup the tier did not answer (down,
+        paused, not worth waiting for, given up) reaches 0: a miss the tier was never
+        asked about says nothing of what it holds. Lookup thread, never waits. A store
         that infers eviction from what requests miss keeps it; others need not."""
 
     @abc.abstractmethod

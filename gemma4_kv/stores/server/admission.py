@@ -14,7 +14,8 @@ engine stored is asked again and must be saved again (the server evicted it), or
 evicted or refused before is asked again. "Asked" means within the request's lookup
 reach (`looked_up`): a save towards an end its lookup could not name (with a draft
 that owns KV, the prompt's last chunk has no key until a token follows it) says nothing
-of the server. FULL lasts `hold_s` after the last such sign,
+of the server, nor does one whose lookup the server did not answer (given up as not
+worth the wait on a busy machine, or the server down). FULL lasts `hold_s` after the last such sign,
 then the engine saves everything again (ROOM), as it does at start and on a new server
 process. Bookkeeping only: no I/O, one lock, O(1) per call; `reserve` (model thread)
 and `pin` (lookup thread) both call it.
@@ -122,7 +123,8 @@ class Admission:
             _remember(self._hit, (req_id, key))
 
     def looked_up(self, req_id: str, reach: int) -> None:
-        """`req_id`'s lookup could have hit up to `reach` tokens (the longest it asked)."""
+        """The server answered `req_id`'s lookup for up to `reach` tokens (the longest
+        answered; 0: asked, nothing answered yet)."""
         with self._lock:
             _remember(self._reach, req_id, max(reach, self._reach.get(req_id, 0)))
 

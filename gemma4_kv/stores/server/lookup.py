@@ -262,6 +262,7 @@ class LookupJob(Prefetch):
             return Phase.ASKING
         if self.full.space is not f.conn.space:  # asked before a reset: never offered
             return self._give_up()
+        self.answered = True
         end, shorter = self._choose()
         if end is not None:
             return self._hold(end)
