@@ -80,11 +80,10 @@ def check_host_resources(settings: ConnectorSettings, ranks: int = 1) -> None:
                      f"set cpu_gb <= {math.floor(most * 10) / 10:g} (it is per engine{per}), "
                      "or free memory")
     if settings.disk_path:
-        _check_disk(settings)
+        _check_disk(settings, settings.disk_path)
 
 
-def _check_disk(settings: ConnectorSettings) -> None:
-    path = settings.disk_path
+def _check_disk(settings: ConnectorSettings, path: str) -> None:
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError as e:
@@ -125,7 +124,7 @@ def check_tiers_reachable(settings: ConnectorSettings, timeout_s: float = 1.0) -
         except L2AdapterRejected as bad:
             raise error(f'["l2_adapters"][{i}]', bad.problem, show(redacted(spec)),
                          bad.fix) from None
-        failures = []
+        failures: list[str] = []
         for host, port in endpoints:
             try:
                 socket.create_connection((host, port), timeout=timeout_s).close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                               KVConnectorRole, SupportsHMA)
@@ -21,6 +21,10 @@ from .metrics import Gemma4KVPromMetrics, Gemma4KVStats, step_kind
 from ..config.settings import ConnectorSettings
 from ..keys import weights
 from ..stores.lmcache import set_log_level
+
+if TYPE_CHECKING:
+    from .scheduler import ConnectorScheduler
+    from .worker import ConnectorWorker
 
 
 class _StepHostTime:
@@ -63,7 +67,8 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
         settings = ConnectorSettings.from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config)
         set_log_level(settings.lmcache_log_level)
-        self._scheduler = self._worker = None
+        self._scheduler: ConnectorScheduler | None = None
+        self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             from .scheduler import ConnectorScheduler
 
@@ -79,6 +84,20 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = ConnectorWorker(vllm_config, kv_cache_config, settings)
             self._stats = self._worker.stats
             self._host = _StepHostTime(self._stats, "worker")
+
+    @property
+    def _sched(self) -> ConnectorScheduler:
+        """The scheduler half: vLLM calls the scheduler's methods on that role only."""
+        if self._scheduler is None:
+            raise RuntimeError("gemma4-kv: a scheduler call on a worker's connector")
+        return self._scheduler
+
+    @property
+    def _work(self) -> ConnectorWorker:
+        """The worker half: vLLM calls the worker's methods on that role only."""
+        if self._worker is None:
+            raise RuntimeError("gemma4-kv: a worker call on the scheduler's connector")
+        return self._worker
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
@@ -100,20 +119,20 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
     # -- scheduler side ---------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        self._scheduler.kv_cache_manager = kv_cache_manager
+        self._sched.kv_cache_manager = kv_cache_manager
 
     @_timed("scheduler")
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
     @_timed("scheduler")
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int):
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-        host, l2 = self._scheduler.hit_sources(request, num_external_tokens)
+        host, l2 = self._sched.hit_sources(request, num_external_tokens)
         sources = {CacheHitSource.HOST: host, CacheHitSource.DISK: l2}
         return {k: v for k, v in sources.items() if v}
 
@@ -124,23 +143,24 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @_timed("scheduler", step=True)
     def _build_connector_meta(self, scheduler_output):
-        return self._scheduler.build_connector_meta(scheduler_output)
+        return self._sched.build_connector_meta(scheduler_output)
 
     @_timed("scheduler")
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request)
+        return self._sched.request_finished(request)
 
     @_timed("scheduler")
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request)
+        return self._sched.request_finished(request)
 
     def update_connector_output(self, connector_output) -> None:
-        if self._scheduler.events is not None:
-            self._scheduler.events.add(connector_output.kv_cache_events)
+        events = self._sched.events
+        if events is not None:
+            events.add(connector_output.kv_cache_events)
 
     def take_events(self):
         """The tiers' stores and removals as vLLM KV events (`events.py`)."""
-        events = self._scheduler.events
+        events = self._sched.events
         return events.take() if events is not None else ()
 
     def reset_cache(self) -> bool | None:
@@ -148,7 +168,7 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
-        self._worker.register_kv_caches(kv_caches)
+        self._work.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         """Called before each forward (vLLM may call `start_load_kv` after it, when the
@@ -159,10 +179,10 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @_timed("worker")
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        self._worker.start_load_kv(self._get_connector_metadata())
+        self._work.start_load_kv(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:  # per layer: not timed
-        self._worker.wait_for_layer_load(layer_name)
+        self._work.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
         return None  # whole chunks of all layers are stored in wait_for_save
@@ -174,11 +194,11 @@ class Gemma4KVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @_timed("worker", step=True)
     def _wait_for_save(self, meta) -> None:
-        self._worker.wait_for_save(meta)
+        self._work.wait_for_save(meta)
 
     @_timed("worker")
     def get_finished(self, finished_req_ids):
-        return self._worker.get_finished()
+        return self._work.get_finished()
 
     def get_kv_connector_kv_cache_events(self):
         """This rank's store reports since the last step (`events.py`)."""

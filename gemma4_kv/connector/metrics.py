@@ -14,7 +14,7 @@ import json
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
@@ -72,6 +72,9 @@ def step_kind(meta) -> str:
 @dataclass
 class Gemma4KVStats(KVConnectorStats):
     """Counters of one interval; keys are `COUNTERS` names and `<name>.g<group>`."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+    """vLLM's `KVConnectorStats.data`, restated with its type (vLLM is followed as Any)."""
 
     def __post_init__(self):
         self._lock = threading.Lock()
@@ -177,7 +180,7 @@ class StatsFile:
                  t0: float = 0.0, seconds: float | None = None) -> None:
         if not self.path:
             return
-        per_group = defaultdict(lambda: [0, 0])
+        per_group: defaultdict[int, list[int]] = defaultdict(lambda: [0, 0])
         for cb in plan:
             g = self.layout.groups[cb.group_id]
             per_group[cb.group_id][0] += len(cb.block_ids)

@@ -4,6 +4,7 @@ lookup, what it stored so far, and which of its chunks a step completes and save
 from __future__ import annotations
 
 import math
+from typing import Any
 from dataclasses import dataclass, field
 
 from ..keys.request import RequestKeys
@@ -16,7 +17,8 @@ from .branches import BranchMemory
 
 @dataclass
 class RequestState:
-    request: object
+    request: Any
+    """vLLM's `Request` (untyped here: vLLM is followed as Any)."""
     keys: RequestKeys
     drafts: DraftPolicy
     prompt_len: int

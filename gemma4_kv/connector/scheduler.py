@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import time
+from typing import Any
 
 from ..config.settings import ConnectorSettings
 from ..keys.engine import engine_identity
@@ -82,7 +83,7 @@ class ConnectorScheduler:
                                  backoff_s=RANK_BACKOFF_S)
         self.keyer = RequestKeyer(self.chunk_size,
                                   mm_content_hashed=mm_identifiers_are_content_hashes(vllm_config))
-        self.kv_cache_manager = None  # bound by vLLM (bind_kv_cache_manager)
+        self.kv_cache_manager: Any = None  # bound by vLLM (bind_kv_cache_manager)
         self._requests: dict[str, RequestState] = {}
         self.branches = BranchMemory() if settings.intermediate_ends == "branched" else None
         self._loads: list[LoadJob] = []

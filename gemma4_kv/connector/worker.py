@@ -13,7 +13,13 @@ import torch
 from ..config.settings import ConnectorSettings
 from ..lookup import messages
 from ..lookup.channel import LookupServer
+from ..lookup.service import LookupService
 from ..lookup.sockets import engine_core_pid, socket_address
+from ..stores.base import ChunkStore
+from ..stores.events import TierEvents
+from ..transfer.loads import Loads
+from ..transfer.saves import Saves
+from ..transfer.step_timer import StepTimer
 from .build import build_worker
 from .events import attach, take_reports
 from .metadata import Gemma4KVMetadata
@@ -24,14 +30,23 @@ logger = logging.getLogger(__name__)
 
 
 class ConnectorWorker:
+    store: ChunkStore | None
+    """Set by `register_kv_caches`; None again once shut down."""
+    lookups: LookupService
+    loads: Loads
+    saves: Saves
+    steps: StepTimer | None
+    """None until `register_kv_caches` (vLLM may run a step before it: profiling)."""
+    server: LookupServer | None
+    events: TierEvents | None
+
     def __init__(self, vllm_config, kv_cache_config, settings: ConnectorSettings):
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.settings = settings
         self.chunk_size = settings.chunk_size
         self.stats = Gemma4KVStats()
-        self.store = self.server = self.lookups = self.loads = self.saves = None
-        self.steps = self.events = None
+        self.store = self.server = self.steps = self.events = None
         self.rank = 0
         self.enabled = True
         """False when this rank cannot key its KV safely: it stores and serves nothing."""
@@ -73,12 +88,13 @@ class ConnectorWorker:
         self.loads.wait_for_layer(layer_name)
 
     def wait_for_save(self, meta: Gemma4KVMetadata) -> None:
-        self.steps.stop(meta.num_tokens)
+        if self.steps is not None:
+            self.steps.stop(meta.num_tokens)
         self.loads.end_of_forward()
-        for job in meta.saves if self.enabled else ():
-            self.saves.submit(job)
-        for job in meta.finished:
-            self.saves.finish(job)
+        for save in meta.saves if self.enabled else ():
+            self.saves.submit(save)
+        for finished in meta.finished:
+            self.saves.finish(finished)
         self.saves.poll()
 
     def get_finished(self) -> tuple[None, None]:

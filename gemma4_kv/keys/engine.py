@@ -373,8 +373,9 @@ def layer_identity(vllm_config, layer_names: Iterable[str]) -> tuple[str, str | 
             continue
         impl = getattr(layer, "impl", None)
         backend = getattr(layer, "attn_backend", None)
+        backend_name = getattr(backend, "get_name", None)
         desc = [name, type(impl).__name__,
-                backend.get_name() if hasattr(backend, "get_name") else repr(backend),
+                backend_name() if backend_name is not None else repr(backend),
                 str(getattr(layer, "kv_cache_dtype", None)), getattr(layer, "isa", None)]
         h.update(json.dumps(desc).encode())
         for attr in ("_k_scale", "_v_scale"):

@@ -269,7 +269,7 @@ def _open_checked(path: str, flags: int, kind: str, dir_fd: int | None = None,
         return None
     except OSError as e:
         link = e.errno == errno.ELOOP or os.path.islink(path)
-        _distrust(path, "it is a symlink" if link else e.strerror, fix)
+        _distrust(path, "it is a symlink" if link else e.strerror or str(e), fix)
         return None
     st = os.fstat(fd)
     if tighten and st.st_uid == os.getuid():

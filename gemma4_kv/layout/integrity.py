@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from typing import Any
 
 import torch
 
@@ -146,7 +147,8 @@ class Verification:
     def __init__(self, objects: list[tuple[torch.Tensor, torch.Tensor, int]],
                  device: torch.device | str = "cpu", keep: bool = False):
         self.device = torch.device(device)
-        self._event = self._ok = None
+        self._event: Any = None  # a torch.cuda.Event once started on a GPU
+        self._ok: Any = None  # its per-object answers (pinned host memory)
         self._result: list[bool] | None = None
         self.copies: list[torch.Tensor] | None = None
         """With `keep` on a GPU: each object's KV on the device, in the order given
@@ -173,7 +175,11 @@ class Verification:
             sums = torch.empty(n, dtype=torch.int64, device=self.device)
             for i, (kv, _, _) in enumerate(objects):
                 nbytes = kv.numel() * kv.element_size()
-                buf = self.copies[i].view(-1).view(torch.uint8) if keep else scratch[:nbytes]
+                if self.copies is not None:  # keep
+                    buf = self.copies[i].view(-1).view(torch.uint8)
+                else:
+                    assert scratch is not None  # sized above for every object
+                    buf = scratch[:nbytes]
                 buf.copy_(kv.reshape(-1).view(torch.uint8), non_blocking=True)
                 sums[i:i + 1] = weighted_sums(buf.view(1, -1))
             host = torch.stack([t.reshape(-1) for _, t, _ in objects]).pin_memory()

@@ -34,7 +34,9 @@ def first_needed_token(group: KVGroup, hit_len: int) -> int:
     """First token whose KV the next token after a hit of `hit_len` can attend to."""
     if group.kind is AttentionKind.FULL:
         return 0
-    return max(0, hit_len - group.reach + 1)
+    reach = group.reach
+    assert reach is not None  # a sliding group has a window
+    return max(0, hit_len - reach + 1)
 
 
 def needed_blocks(group: KVGroup, start: int, hit_len: int) -> range:
@@ -111,7 +113,9 @@ def window_chunks(group: KVGroup, chunk_size: int) -> int:
     chunk may need one chunk more (`hit_chunks` says which)."""
     if group.kind is AttentionKind.FULL:
         return -1
-    return max(1, -(-(group.reach - 1) // chunk_size))
+    reach = group.reach
+    assert reach is not None  # a sliding group has a window
+    return max(1, -(-(reach - 1) // chunk_size))
 
 
 def hit_ends(num_chunks: int, chunk_size: int, limit: int, interval: int) -> list[int]:

@@ -27,8 +27,11 @@ def lookup_all_ranks(client: LookupClient, lookup: messages.Lookup
     common one re-pin, so no rank reads an object it did not pin, nor keeps one pinned
     that no load reads. A rank that does not answer, the re-pin included, raises
     `RanksDown`; releases are told, never waited for."""
-    replies = client.ask_all(lookup)
-    if replies is None or any(not isinstance(r, messages.LookupReply) for r in replies):
+    answers = client.ask_all(lookup)
+    if answers is None:
+        raise RanksDown
+    replies = [r for r in answers if isinstance(r, messages.LookupReply)]
+    if len(replies) != len(answers):
         raise RanksDown
     if any(r.pending for r in replies):
         return None, 0, None
@@ -40,9 +43,12 @@ def lookup_all_ranks(client: LookupClient, lookup: messages.Lookup
         return 0, 0, None
     fresh = [r.fresh_s for r in replies]
     if any(r.pinned != hit for r in replies):
-        done = client.ask_all(messages.Repin(lookup.req_id, lookup.hashes, lookup.start, hit,
-                                             lookup.pin))
-        if done is None or any(not isinstance(d, messages.Done) for d in done):
+        repinned = client.ask_all(messages.Repin(lookup.req_id, lookup.hashes, lookup.start,
+                                                 hit, lookup.pin))
+        if repinned is None:
+            raise RanksDown
+        done = [d for d in repinned if isinstance(d, messages.Done)]
+        if len(done) != len(repinned):
             raise RanksDown
         if not all(d.ok for d in done):
             client.tell_all(release)

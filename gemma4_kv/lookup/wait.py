@@ -65,7 +65,8 @@ class Rates:
         self._persisted = {kind: known.get(key) for kind, key in self._keys.items()}
         self._prefill_s_per_token: float | None = None
         self._tier_bytes_per_s: float | None = None
-        self._dirty, self._saved_at = False, None
+        self._dirty = False
+        self._saved_at: float | None = None
 
     def prefill(self, tokens: int, seconds: float) -> None:
         """One step computed `tokens` tokens in `seconds`."""
@@ -112,9 +113,9 @@ class Rates:
         with self._lock:
             values = {"tier": self._tier_bytes_per_s, "prefill": self._prefill_s_per_token}
             self._dirty = False
-        values = {self._keys[k]: v for k, v in values.items() if v is not None}
-        if self._file is not None and values:
-            self._file.update(values)
+        known = {self._keys[k]: v for k, v in values.items() if v is not None}
+        if self._file is not None and known:
+            self._file.update(known)
 
 
 @dataclass

@@ -44,6 +44,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def tiny_gemma4_config(*, layers: int = 12, kv_shared: int = 0, window: int = 100,
@@ -122,7 +123,8 @@ def run(spec: dict) -> dict:
     startup = time.perf_counter() - t0
     if kwargs["load_format"] == "dummy":
         llm.collective_rpc("sharpen_dummy_weights")
-    out = {"outputs": [], "cached": [], "ttft": [], "startup_s": startup, "steps": []}
+    out: dict[str, Any] = {"outputs": [], "cached": [], "ttft": [], "startup_s": startup,
+                           "steps": []}
     steps = spec.get("steps") or [{"prompts": spec["prompts"]}]
     for step in steps:
         if "call" in step:
@@ -147,7 +149,7 @@ def _generate(llm, spec: dict, step: dict, out: dict) -> dict:
     sp = SamplingParams(max_tokens=step.get("max_tokens", spec.get("max_tokens", 8)),
                         temperature=0.0, ignore_eos=True, detokenize=False)
     prompts = [_prompt(p, spec, llm) for p in step["prompts"]]
-    res = {"outputs": [], "cached": [], "ttft": []}
+    res: dict[str, list] = {"outputs": [], "cached": [], "ttft": []}
     groups = [prompts] if step.get("batch") else [[p] for p in prompts]
     for group in groups:
         t = time.perf_counter()

@@ -110,8 +110,8 @@ class OpenAIServer:
         self.model, self.args, self.log_path = model, list(args), Path(log)
         self.env = server_env() if env is None else env
         self.deadline_s, self.timeout_s = deadline_s, timeout_s
-        self.proc = None
-        self.port = None
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
 
     def command(self, port: int) -> list[str]:
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
@@ -120,9 +120,9 @@ class OpenAIServer:
     def start(self, tries: int = 3) -> "OpenAIServer":
         """Start on a free port; another port if the server could not bind its own."""
         for _ in range(tries):
-            self.port = free_port()
+            self.port = port = free_port()
             self._log = open(self.log_path, "ab")
-            self.proc = subprocess.Popen(self.command(self.port), env=self.env,
+            self.proc = subprocess.Popen(self.command(port), env=self.env,
                                          stdout=self._log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
             if self._wait_up():
@@ -135,6 +135,7 @@ class OpenAIServer:
 
     def _wait_up(self) -> bool:
         deadline = time.monotonic() + self.deadline_s
+        assert self.proc is not None  # started
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False
@@ -252,7 +253,7 @@ def _signal_group(pgid: int, sig) -> None:
 
 def connector_args(role: str = "kv_both", extra: dict | None = None) -> list[str]:
     """`--kv-transfer-config` naming the connector as a user does (through the plugin)."""
-    config = {"kv_connector": "Gemma4KVConnector", "kv_role": role}
+    config: dict[str, object] = {"kv_connector": "Gemma4KVConnector", "kv_role": role}
     if extra:
         config["kv_connector_extra_config"] = extra
     return ["--kv-transfer-config", json.dumps(config)]

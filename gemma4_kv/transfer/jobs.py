@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..stores.base import ChunkWrite
 
@@ -61,7 +61,7 @@ class JobQueue:
     """Submitted jobs, finished in order once their copies have landed."""
 
     def __init__(self):
-        self._jobs: deque[tuple[object, Callable[[], None]]] = deque()
+        self._jobs: deque[tuple[Any, Callable[[], None]]] = deque()  # (event | None, finish)
 
     def _submitted(self, event, finish: Callable[[], None]) -> None:
         """A job whose copies are behind `event` (None: already done) finishes with

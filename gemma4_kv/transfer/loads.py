@@ -15,7 +15,7 @@ import logging
 import re
 import time
 from collections import defaultdict
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -48,17 +48,21 @@ class HeldHit(Protocol):
     pinned: Pinned
 
 
-class HeldHits(Protocol):
+H = TypeVar("H", bound=HeldHit)
+
+
+class HeldHits(Protocol[H]):
     """Where the lookup layer keeps the hits it pinned (`lookup.service.LookupService`):
-    a load takes its hit by (request, pin) and hands it back once copied. Any thread."""
+    a load takes its hit by (request, pin) and hands that same hit back once copied.
+    Any thread."""
 
-    def take(self, req_id: str, pin: int) -> HeldHit | None: ...
+    def take(self, req_id: str, pin: int) -> H | None: ...
 
-    def done(self, hit: HeldHit) -> None: ...
+    def done(self, hit: H) -> None: ...
 
 
 class Loads(JobQueue):
-    def __init__(self, layout, caches, transfer, lookups: HeldHits, chunk_size: int,
+    def __init__(self, layout, caches, transfer, lookups: HeldHits[Any], chunk_size: int,
                  stats: Stats, record: Record, rank: int = 0):
         super().__init__()
         self.layout, self.caches, self.transfer = layout, caches, transfer
@@ -66,7 +70,8 @@ class Loads(JobQueue):
         self.stats, self.record, self.rank = stats, record, rank
         self.order = forward_order(layout)
         self._layer_ready: dict[str, torch.cuda.Event] = {}  # this step's queued layers
-        self._in_flight = None  # (QueuedLoads, [(LoadJob, Hit, plan)]) of this step
+        self._in_flight: tuple[Any, list] | None = None
+        """(QueuedLoads, [(LoadJob, hit, plan)]) of this step."""
         self._forward_waits = True  # vLLM calls wait_for_layer_load before each layer
 
     def start(self, jobs: list[LoadJob]) -> None:

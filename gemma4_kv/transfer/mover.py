@@ -175,7 +175,7 @@ def scatter_by_layer(group: KVGroup, caches: Sequence[torch.Tensor],
     if not len(moves):
         return lambda position: None
     if not _use_triton(caches, group):
-        done = []
+        done: list[int] = []
 
         def load_all(position: int) -> None:
             if not done:
@@ -184,7 +184,7 @@ def scatter_by_layer(group: KVGroup, caches: Sequence[torch.Tensor],
         return load_all
     copy = _block_copy(group, caches, chunks, moves, num_programs, to_chunk=False)
     # The layer range is not specialised on: one signature for every layer's launch.
-    signature = copy.signature(range(0, 1)) if launches is not None else None
+    signature = copy.signature(range(0, 1)) if launches is not None else ()
 
     def load(position: int) -> None:
         if launches is not None:
@@ -212,7 +212,7 @@ def _move(group, caches, chunks, moves, num_programs, launches, *, to_chunk: boo
         copy = _block_copy(group, caches, chunks, moves, num_programs, to_chunk=to_chunk)
         if launches is not None:
             launches.record(copy.signature())
-    if not _use_triton(caches, group):
+    if copy is None or not _use_triton(caches, group):  # (_use_triton: copy is built)
         (torch_gather if to_chunk else torch_scatter)(group, caches, chunks, moves)
         return
     copy.launch()

@@ -63,9 +63,9 @@ class Saves(JobQueue):
             keep += k
             host_seals += s
             planned += [cb for cb, _ in items]
-            blocks = sum(len(cb.block_ids) for cb, _ in items)
-            self.stats.add("save_blocks", blocks)
-            self.stats.add("save_bytes", blocks * group.page_bytes * len(group.layers), gid)
+            nblocks = sum(len(cb.block_ids) for cb, _ in items)
+            self.stats.add("save_blocks", nblocks)
+            self.stats.add("save_bytes", nblocks * group.page_bytes * len(group.layers), gid)
 
         def commit(keep=keep) -> None:  # `keep`: tensors the copies read until they land
             for kv, trailer, key in host_seals:

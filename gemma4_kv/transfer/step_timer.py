@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from typing import Any
+
 import torch
 
 MAX_OPEN = 8
@@ -23,7 +25,7 @@ class StepTimer:
     def __init__(self, cuda: bool, observe):
         """`observe(tokens, seconds)` is called once per timed step."""
         self.cuda, self.observe = cuda, observe
-        self._start = None
+        self._start: Any = None  # a recorded torch.cuda.Event, or perf_counter()
         self._open: deque = deque(maxlen=MAX_OPEN)
 
     def start(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -56,9 +57,10 @@ class DeviceStreams:
         self.num_programs = num_programs
         self.cuda = device.type == "cuda"
         self.launches = Launches(stats)
-        self.side_stream = torch.cuda.Stream(device) if self.cuda else None
+        # Any: a torch.cuda.Stream on CUDA (only used there), None elsewhere
+        self.side_stream: Any = torch.cuda.Stream(device) if self.cuda else None
         # Separate from the save stream: a load must not queue behind earlier saves.
-        self.load_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.load_stream: Any = torch.cuda.Stream(device) if self.cuda else None
 
     def load(self, group: KVGroup, caches: Sequence[torch.Tensor],
              objects: Sequence[torch.Tensor], plan: Sequence[ChunkBlocks]) -> None:
@@ -124,6 +126,7 @@ class DeviceStreams:
                 obj.copy_(buf, non_blocking=True)
                 trailer.copy_(seal, non_blocking=True)
             copied = self.side_stream.record_event()
+        assert pool is not None  # the region is the pool's
         pool.release_after(region, copied)
         return [moves, seals], []
 
