@@ -175,7 +175,7 @@ class Capacity:
             high = [k for k in sizes if any(self._ends[e].cls == HIGH
                                             for e in self._users.get(k, ()))]
             low = [k for k in sizes if k not in set(high)]
-            granted = []
+            granted: list[ObjKey] = []
             for cls, keys in ((HIGH, high), (LOW, low)):
                 if not keys:
                     continue
@@ -211,7 +211,7 @@ class Capacity:
     def stored(self, keys: Iterable[ObjKey]) -> None:
         """These objects are written: ends that now have every object go live."""
         with self._lock:
-            waiting = set()
+            waiting: set[EndKey] = set()
             for k in keys:
                 if k in self._objects:
                     self._stored.add(k)
@@ -236,7 +236,7 @@ class Capacity:
         """These objects are gone from the tier (aborted, lost, bad): every end needing
         one cannot serve and is evicted. Returns what else that leaves unneeded."""
         with self._lock:
-            ends = set()
+            ends: set[EndKey] = set()
             for k in keys:
                 self.used -= self._objects.pop(k, 0)
                 self._stored.discard(k)
@@ -356,10 +356,11 @@ class Capacity:
         """Forget everything (the tier was emptied)."""
         with self._lock:
             limit = self._limit
-            self.__init__(self._total, window_share=self._rank.window_share,
-                          protected_share=self._rank.protected_share,
-                          min_sample=self._rank.min_sample,
-                          ties_admit=self._rank.ties_admit)
+            # Capacity's own (no subclass has another `__init__`): mypy refuses `self.__init__`
+            Capacity.__init__(self, self._total, window_share=self._rank.window_share,
+                              protected_share=self._rank.protected_share,
+                              min_sample=self._rank.min_sample,
+                              ties_admit=self._rank.ties_admit)
             self._limit = limit  # the tier still holds what it held untracked
 
     # -- policy -----------------------------------------------------------------------

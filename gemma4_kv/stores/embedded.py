@@ -243,10 +243,10 @@ class EmbeddedStore(ChunkStore):
         by_groups: dict[tuple[int, ...], list[bytes]] = {}
         for h, gids in chunks.items():
             by_groups.setdefault(tuple(gids), []).append(h)
-        keys_of = {}
-        for gids, hashes in by_groups.items():
+        keys_of: dict[ChunkKey, object] = {}  # -> the tier's key
+        for readers, hashes in by_groups.items():
             rows = [(gid, [self.key(h, gid) for h in hashes], self._layouts[gid])
-                    for gid in gids]
+                    for gid in readers]
             hits = self.tier.lock_columns(rows)
             for _, keys, _ in rows:
                 locked += [keys[i] for i in hits]

@@ -313,7 +313,8 @@ class L2Prefetches(Rounds):
         left out of the hit it reports (LMCache keeps them there unlocked, e.g. those
         past a value that failed to load, which ends a prefix): locked here, so none is
         deleted while it is read. All stay locked and withheld until `settle`."""
-        locked, items, strays, held = [], [], {}, set(p.held)
+        locked, items, held = [], [], set(p.held)
+        strays: dict[int, list] = {}  # group id -> (key, chunk hash) left out of the hit
         for (_, rows), result in zip(p.tasks, p.results):
             for row, (gid, hashes, keys) in enumerate(rows):
                 loaded = set(result.from_l2[row])
@@ -337,7 +338,9 @@ class L2Prefetches(Rounds):
     def settle(self, p: L2Prefetch, namespace: str) -> Settled:
         """Take the verdicts of a prefetch's objects (its check is done): the good ones
         are kept and offered, the bad dropped everywhere; every lock it held goes."""
-        check, bad, landed, stray_landed = p.check, [], {}, {}
+        check, bad = p.verifying, []  # `advance` settles a prefetch while VERIFYING
+        landed: dict[ChunkKey, int] = {}
+        stray_landed: dict[ChunkKey, int] = {}
         for (key, h, gid, stray), ok in zip(check.items, check.batch.result()):
             if ok:
                 (stray_landed if stray else landed)[(h, gid)] = self._bytes[gid]

@@ -148,6 +148,12 @@ class L2Prefetch(Prefetch):
     stage: Stage = Stage.FETCHING
     check: Check | None = None
 
+    @property
+    def verifying(self) -> Check:
+        """`check` while VERIFYING: set on entering that stage, cleared on leaving it."""
+        assert self.check is not None
+        return self.check
+
     def ask(self, rounds: Rounds, tasks: list, namespace: str) -> None:
         """Start a round: submit `tasks` (each (rows of (group id, hashes), policy))."""
         r = rounds.submit(tasks, namespace)
@@ -183,7 +189,7 @@ class L2Prefetch(Prefetch):
                 return  # asked again at the next poll
             self.check, self.stage = rounds.check(self), Stage.VERIFYING
         if self.stage is Stage.VERIFYING:
-            if not self.check.batch.done():
+            if not self.verifying.batch.done():
                 return
             settled = rounds.settle(self, namespace)
             self.loaded.update(settled.loaded)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 from .base import LOW
 
@@ -98,7 +99,7 @@ class Ranking:
 
     # -- admission and eviction ------------------------------------------------------------
     def victims(self, short: int, cls: int, freq: int, size: int,
-                alone: Callable[[object, dict], int], limit: int) -> list | None:
+                alone: Callable[[Any, dict], int], limit: int) -> list | None:
         """Ends to evict, in order, so that `short` more bytes fit for a new end of
         class `cls`, asked for `freq` times, of `size` bytes; None if not possible.
 
@@ -116,7 +117,8 @@ class Ranking:
         L2 tier an evicted end is lost, and a tie keeps what is there (scan resistance)."""
         taken: list = []
         out = set()
-        freed, released = 0, {}
+        freed = 0
+        released: dict = {}  # `alone`'s own tally
 
         def take(end) -> None:
             nonlocal freed

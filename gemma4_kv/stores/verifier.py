@@ -77,6 +77,7 @@ class Verifier:
         """Start verifying the objects among `entries`, spread over the threads; never
         waits. The tensors must stay valid (read-locked) until the batch is done."""
         todo = [i for i, e in enumerate(entries) if isinstance(e, tuple)]
+        objects = [e for e in entries if isinstance(e, tuple)]  # entries[i] for i in todo
         parts = []
         if todo:
             if self._pool is None:
@@ -85,7 +86,7 @@ class Verifier:
             for w in range(min(self._workers, len(todo))):
                 idx = todo[w::self._workers]
                 parts.append((idx, self._pool.submit(_verify_all,
-                                                     [entries[i] for i in idx])))
+                                                     objects[w::self._workers])))
         batch = Batch(entries, parts)
         self._batches.append(batch)
         return batch

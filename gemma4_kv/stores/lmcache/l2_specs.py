@@ -92,13 +92,14 @@ def check_l2_adapter(spec: dict) -> None:
                                     "false (LMCache reads any non-empty value as true)",
                                     f'write "{k}": true or false, unquoted')
     eviction = spec.get("eviction")
-    for k in ("trigger_watermark", "eviction_ratio") if isinstance(eviction, dict) else ():
-        x = eviction.get(k, 0.5)
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x <= 1:
-            raise L2AdapterRejected(
-                f'(type "{type_name}") field "eviction"["{k}"] must be a number in (0, 1] '
-                "(LMCache converts it with float() and checks no range)",
-                f'write e.g. "{k}": 0.8')
+    if isinstance(eviction, dict):
+        for k in ("trigger_watermark", "eviction_ratio"):
+            x = eviction.get(k, 0.5)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x <= 1:
+                raise L2AdapterRejected(
+                    f'(type "{type_name}") field "eviction"["{k}"] must be a number in '
+                    "(0, 1] (LMCache converts it with float() and checks no range)",
+                    f'write e.g. "{k}": 0.8')
     try:
         json.dumps(spec, allow_nan=False)
     except (TypeError, ValueError) as e:

@@ -185,7 +185,7 @@ class LookupJob(Prefetch):
     chain: tuple[bytes, ...] = ()
     start: int = 0
     limit: int = 0
-    finder: HitFinder | None = field(default=None, repr=False)
+    finder: HitFinder = field(kw_only=True, repr=False)
     phase: Phase = Phase.ASKING
     full: ServerLookup | None = None
     windows: dict[int, ServerLookup] = field(default_factory=dict)
@@ -197,6 +197,18 @@ class LookupJob(Prefetch):
     abandoned: bool = False
     """The caller is done with it (`ChunkStore.finish_prefetch`): a hit it finds goes
     back at once."""
+
+    @property
+    def _full_lookup(self) -> ServerLookup:
+        """`full` once asked: `begin` sends it, or ends the job MISSED."""
+        assert self.full is not None
+        return self.full
+
+    @property
+    def _checking(self) -> _Check:
+        """`check` while CHECKING: `_hold` sets it on entering, leaving clears it."""
+        assert self.check is not None
+        return self.check
 
     def begin(self) -> None:
         """Send the first lookups (`HitFinder.start`)."""
@@ -217,7 +229,7 @@ class LookupJob(Prefetch):
         try:
             if self.phase is Phase.ASKING:
                 self.phase = self._asked()
-            if self.phase is Phase.CHECKING and self.check.verification.done():
+            if self.phase is Phase.CHECKING and self._checking.verification.done():
                 self.phase = self._checked()
         except ServerUnavailable:
             self.phase = self._give_up()
@@ -260,7 +272,7 @@ class LookupJob(Prefetch):
             if time.monotonic() - self.started > ABANDON_S:
                 return self._give_up()
             return Phase.ASKING
-        if self.full.space is not f.conn.space:  # asked before a reset: never offered
+        if self._full_lookup.space is not f.conn.space:  # asked before a reset: never offered
             return self._give_up()
         self.answered = True
         end, shorter = self._choose()
@@ -271,11 +283,13 @@ class LookupJob(Prefetch):
             return Phase.ASKING
         return self._give_up()
 
-    def _runs(self, lk: ServerLookup | None, groups) -> dict[int, int]:
+    def _runs(self, lk: ServerLookup | None, groups: Sequence[int]) -> dict[int, int]:
         """Per group, the leading run a lookup found, cut at the first object known bad."""
+        if lk is None:  # not asked: nothing found
+            return dict.fromkeys(groups, 0)
         out = {}
         for g in groups:
-            n = lk.found.get(g, 0) if lk is not None else 0
+            n = lk.found.get(g, 0)
             for i in range(n):
                 if (lk.epoch, lk.space.namespace, lk.hashes[i], g) in self.finder.bad:
                     n = i
@@ -321,9 +335,10 @@ class LookupJob(Prefetch):
             for lk, cells in ((self.full, full_cells), (self.windows.get(e), window_cells)):
                 if lk is None:
                     continue
-                pin = f.reads.keep(lk, cells) if cells else f.reads.drop(lk)
                 if not cells:
+                    f.reads.drop(lk)
                     continue
+                pin = f.reads.keep(lk, cells)
                 if pin is None:
                     raise ServerUnavailable("the server no longer holds the hit")
                 pins.append(pin)
@@ -347,7 +362,7 @@ class LookupJob(Prefetch):
             return self._give_up()
         locked = min(pin.locked_at for pin in pins)
         hit = ServerHit(self.start, end, pins, {ck: kv for ck, kv, _, _ in objects},
-                        self.full.space, names, held_until=locked + f.read_ttl_s,
+                        self._full_lookup.space, names, held_until=locked + f.read_ttl_s,
                         fresh_until=locked + f.read_ttl_s / 2)
         nbytes = sum(kv.numel() * kv.element_size() for _, kv, _, _ in objects)
         keep = f.device.take(nbytes)
@@ -363,7 +378,7 @@ class LookupJob(Prefetch):
     def _checked(self) -> Phase:
         """The verification has finished: the hit is found, or what failed is dropped
         and a shorter end tried."""
-        f, hit, check = self.finder, self.check.hit, self.check.verification
+        f, hit, check = self.finder, self._checking.hit, self._checking.verification
         self.check = None
         bad = [n for n, ok in zip(hit.found, check.result()) if not ok]
         if not bad:
@@ -385,7 +400,7 @@ class LookupJob(Prefetch):
         if self.rounds >= MAX_ROUNDS:
             return Phase.MISSED
         # A shorter end: look up again (the locks went with the rejected hit).
-        self.full = f.reads.start_lookup(self.full.hashes, f.full)
+        self.full = f.reads.start_lookup(self._full_lookup.hashes, f.full)
         self.windows = {}
         self._ask_windows([min(self.limit, len(self.full.hashes) * f.chunk_size)])
         return Phase.ASKING

@@ -22,6 +22,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -167,8 +168,9 @@ class ServerReads:
         now = time.monotonic()
         if sent:
             lk.asked = now
-        elif now - lk.asked > conn.timeout_s and not any(
-                f.query() for f in (*lk.acks.values(), *lk.polls.values())):
+        elif now - lk.asked > conn.timeout_s and not (
+                any(f.query() for f in lk.acks.values())
+                or any(f.query() for f in lk.polls.values())):
             conn.waited_out_once()
             conn.mark_down(f"no answer to a lookup within {conn.timeout_s} s")
         return False
@@ -205,7 +207,9 @@ class ServerReads:
         ok = bool(chunks) and all(max(cs) < lk.found.get(g, 0) for g, cs in want.items())
         if not ok:
             want.clear()
-        ended, freeing, sent = [], [], False
+        ended: list[Pending[Any]] = []  # `free_lookup_locks` calls (`_free`)
+        freeing: list[Pending[Any]] = []
+        sent = False
         try:
             for g, hit in lk.found.items():
                 frees = self._free(lk.space, lk.tokens, g, lk.rids[g], set(range(hit)) - want[g])

@@ -23,12 +23,14 @@ skipped save at once, until its heartbeat gets answers again.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -129,6 +131,7 @@ class ServerStore(ChunkStore):
 
     def _offer(self, job: LookupJob) -> None:
         hit = job.hit
+        assert hit is not None  # FOUND: `advance` set it
         if job.abandoned:
             self.finder.release(hit)
             return
@@ -175,7 +178,7 @@ class ServerStore(ChunkStore):
     def resident(self, chain: Sequence[bytes]) -> dict[int, set[int]]:
         """Per group id, the chunk indices of `chain` the newest verified hit of exactly
         `chain` holds; nothing otherwise."""
-        out = {g.group_id: set() for g in self.layout.groups}
+        out: dict[int, set[int]] = {g.group_id: set() for g in self.layout.groups}
         entries = self._drop_stale(tuple(chain))
         if entries:
             index = {h: i for i, h in enumerate(chain)}
@@ -238,7 +241,7 @@ class ServerStore(ChunkStore):
         """Look the hit up and verify it, waiting at most `ServerConfig.TIMEOUT_MAX_S`:
         the scheduler waits 2 s for this rank's answer to the Repin that asked it, so a
         slow server makes the request a miss rather than an unanswered rank."""
-        p = self.start_prefetch(chain, start, hit)
+        p = self._own_job(self.start_prefetch(chain, start, hit))
         deadline = time.monotonic() + ServerConfig.TIMEOUT_MAX_S
         self.poll()
         while not p.finished:
@@ -294,16 +297,18 @@ class ServerStore(ChunkStore):
             return ServerReservation({})
         windows = assign(self.layout, self.chunk_size, ends,
                          [(c, g) for c, g in cells if g in self._sliding])
-        plans = []  # (server chain, {group: positions}, position -> chain chunk)
+        # (server chain, {group: positions}, position -> chain chunk)
+        plans: list[tuple[list[bytes], dict[int, set[int]], Callable[[int], int]]] = []
         if full:
-            per_group = defaultdict(set)
+            per_group: dict[int, set[int]] = defaultdict(set)
             for c, g in full:
                 per_group[g].add(c)
             plans.append((list(chain[:max(c for c, _ in full) + 1]), per_group,
                           lambda i: i))
         for e, per_group in windows.items():
             k = max(j for js in per_group.values() for j in js) + 1
-            plans.append((window_hashes(chain, e, k), per_group, lambda j, e=e: e - j))
+            # position j -> chunk e - j (mypy cannot type a lambda with a default)
+            plans.append((window_hashes(chain, e, k), per_group, partial(operator.sub, e)))
         res = ServerReservation({})
         epoch, ns = self.conn.epoch, self.conn.space.namespace
         try:

@@ -65,8 +65,8 @@ def assign(layout: KVLayout, chunk_size: int, ends: Sequence[int],
                 for c in needed_chunks(g, 0, end, chunk_size):
                     latest[(c, g.group_id)] = e
     out: dict[int, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
-    for c, g in cells:
-        e = latest.get((c, g))
-        if e is not None:
-            out[e][g].add(e - c)
+    for c, gid in cells:
+        e_latest = latest.get((c, gid))
+        if e_latest is not None:
+            out[e_latest][gid].add(e_latest - c)
     return {e: dict(per) for e, per in out.items()}
