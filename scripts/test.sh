@@ -7,5 +7,6 @@ bash scripts/setup.sh
 bash scripts/install_servers.sh  # valkey-server or redis-server, started by the tests themselves
 . .venv/bin/activate
 ruff check .  # lint first: seconds, and a failure names the line
+mypy  # types of gemma4_kv/ (pyproject.toml [tool.mypy]): seconds
 export PYTHONHASHSEED=0
 python -m pytest -q "$@"
