@@ -21,7 +21,7 @@ A round's wall time is the slowest replica's (each times its own `llm.generate` 
 its hit share is prompt tokens served by the connector (vLLM's
 `vllm:external_prefix_cache_hits`) over prompt tokens, summed over replicas; what vLLM's
 GPU prefix cache served is counted apart. Between rounds (untimed) every replica lets its
-stores land (`bench_serving.settle_stores`, after a `--settle-s` pause for every system),
+stores land (`common/workload.py` `settle_stores`, after a `--settle-s` pause for every system),
 then the driver waits until the shared tiers stop growing (`--quiet-s`: write-behind to
 an L2 or an fs tier), so round 2 can see what round 1 stored.
 
@@ -39,7 +39,7 @@ Systems (a fresh set of servers, tiers and replicas for each run):
   one Valkey as their L2 (`server_argv(..., l2_adapters=[...])`);
 - `offloading-fs`: vLLM's OffloadingConnector, its CPU tier (`cpu_gb`) plus a
   `TieringOffloadingSpec` fs tier in one directory every replica shares
-  (`bench_ttft.transfer_config`); needs vLLM >= 0.33 and CUDA (the H200 bundle), skipped
+  (`common/peers.py`); needs vLLM >= 0.33 and CUDA (the H200 bundle), skipped
   with a line elsewhere;
 - `none`: no connector (optional).
 Every other connector setting is at its default.
@@ -52,7 +52,7 @@ scaled by layers / the shape's layers, so tiers hold the same share of the docum
 at full depth; vLLM's GPU KV cache per replica holds `--batch` requests of the longest
 prompt (densely), far less than a replica's share. JSON and table show the sizes used.
 
-Engines: each replica is a process of its own (`--replica`, bench_serving's engine
+Engines: each replica is a process of its own (`--replica`, the serving workload's engine
 arguments), started together with `--gpu-memory-utilization` 0.8 / N, that warms up
 (Triton compiles; other documents, a store and its hit) before it says it is ready. The
 machine's first engine is untimed: a connector-free one runs its warm-up first
@@ -86,10 +86,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))  # bench_serving, bench_ttft, vllm_standins
+sys.path.insert(0, str(HERE))  # common, vllm_standins
 sys.path.insert(0, str(ROOT / "tests"))  # lmcache_servers, tier_servers (as bench_valkey)
 
-import bench_serving  # noqa: E402
+from common import workload  # noqa: E402
+from common.peers import transfer_config  # noqa: E402
 
 SYSTEMS = ("alone", "server", "valkey", "resp", "servers+valkey", "offloading-fs", "none")
 DEFAULT_SYSTEMS = "alone,server,valkey,resp,servers+valkey,offloading-fs"
@@ -183,7 +184,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # -- shapes and sizes (driver and replicas; no vLLM) ---------------------------------------
 
 def serving_argv(args, shape: str) -> list[str]:
-    """bench_serving's options for this shape (its model, layout and engine arguments),
+    """The serving workload's options for this shape (its model, layout and engine arguments),
     as a command line: the driver and every replica parse the same."""
     argv = ["--out", "/dev/null", "--batch", str(args.batch), "--max-tokens",
             str(args.max_tokens), "--question-len", str(args.question_len),
@@ -198,15 +199,15 @@ def serving_argv(args, shape: str) -> list[str]:
 
 
 def serving_args(args, shape: str) -> argparse.Namespace:
-    return bench_serving.parse_args(serving_argv(args, shape))
+    return workload.parse_args(serving_argv(args, shape))
 
 
 def shape_sizes(args, shape: str) -> dict:
     """Tier sizes (actual GiB) and what the documents take, for one shape."""
     sa = serving_args(args, shape)
-    cfg = bench_serving.model_config(sa)
-    layout = bench_serving.layout_of(sa, cfg)
-    sz = bench_serving.sizes(sa, layout)
+    cfg = workload.model_config(sa)
+    layout = workload.layout_of(sa, cfg)
+    sz = workload.sizes(sa, layout)
     dense = sz["dense_bytes_per_token"]
     if shape == "tiny":
         scale, tiers = 1.0, dict(SMOKE_TIERS)
@@ -219,7 +220,7 @@ def shape_sizes(args, shape: str) -> dict:
     for k in tiers:
         if getattr(args, k, None) is not None:
             tiers[k] = getattr(args, k)
-    mml = bench_serving.max_model_len(sa)
+    mml = workload.max_model_len(sa)
     MiB = 1 << 20  # --batch prompts of max_model_len, densely (vLLM's own minimum is one)
     kv = args.kv_cache_gb or -(-args.batch * mml * dense // MiB) / 1024
     return dict(shape=shape, layers=cfg.num_hidden_layers, doc_len=sa.doc_len, question_len=sa.question_len,
@@ -246,7 +247,7 @@ def plan(docs: int, replicas: int) -> list[list[list[tuple[int, int]]]]:
 
 
 def prompt(seed: int, doc_len: int, question_len: int, vocab: int, d: int, q: int):
-    tok = bench_serving._tokens
+    tok = workload.tokens_of
     return (tok(f"{seed}:replicas:doc:{d}", doc_len, vocab)
             + tok(f"{seed}:replicas:q:{d}:{q}", question_len, vocab))
 
@@ -269,20 +270,19 @@ def run_replica(spec: dict) -> None:
         vllm_standins.install()
     from vllm import LLM, SamplingParams
 
-    sa = bench_serving.parse_args(spec["serving_argv"])
-    cfg = bench_serving.model_config(sa)
-    layout = bench_serving.layout_of(sa, cfg)
+    sa = workload.parse_args(spec["serving_argv"])
+    cfg = workload.model_config(sa)
+    layout = workload.layout_of(sa, cfg)
     stats = Path(spec["work"]) / f"stats-{spec['replica']}.jsonl"
-    kw = bench_serving.engine_kwargs(sa, "none", spec["model"], stats, layout)
+    kw = workload.engine_kwargs(sa, "none", spec["model"], stats, layout)
     kw["kv_cache_memory_bytes"] = int(spec["kv_cache_gb"] * GiB)
     if spec["gpu_memory_utilization"] is not None and sa.config != "tiny":
         kw["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
     conn = spec["connector"]
     if conn is not None and conn.get("offloading_fs"):
-        import bench_ttft
         from types import SimpleNamespace
 
-        kw["kv_transfer_config"] = bench_ttft.transfer_config(SimpleNamespace(
+        kw["kv_transfer_config"] = transfer_config(SimpleNamespace(
             connector="offloading-fs", cpu_gb=conn["cpu_gb"], fs_dir=conn["offloading_fs"]),
             layout, stats)
     elif conn is not None:
@@ -304,7 +304,7 @@ def run_replica(spec: dict) -> None:
         return docs[(d, q)]
 
     def run_round(items) -> dict:
-        before, reqs = bench_serving.counters(llm), []
+        before, reqs = workload.counters(llm), []
         t0 = time.perf_counter()
         for i in range(0, len(items), sa.batch):
             group = items[i:i + sa.batch]
@@ -316,8 +316,8 @@ def run_replica(spec: dict) -> None:
                                  cached=o.num_cached_tokens or 0, ttft=first,
                                  output=list(o.outputs[0].token_ids)))
         wall = time.perf_counter() - t0
-        bench_serving.settle_stores(llm, vocab, rng, pause)
-        delta = {k: v - before.get(k, 0) for k, v in bench_serving.counters(llm).items()}
+        workload.settle_stores(llm, vocab, rng, pause)
+        delta = {k: v - before.get(k, 0) for k, v in workload.counters(llm).items()}
         prompt_tokens = sum(r["prompt"] for r in reqs)
         ttfts = [r["ttft"] for r in reqs if r["ttft"] is not None]
         return dict(wall_s=wall, settled_s=time.perf_counter() - t0, requests=len(reqs),
@@ -462,10 +462,10 @@ def skip_reason(system: str) -> str | None:
 
         v = vllm.__version__
     major_minor = tuple(int(x) for x in v.split(".")[:2] if x.isdigit())
-    if major_minor < (0, 33) or not bench_serving.cuda_present():
+    if major_minor < (0, 33) or not workload.cuda_present():
         return (f"offloading-fs: skipped: vLLM's OffloadingConnector with an fs tier is run "
                 f"on vLLM >= 0.33 with CUDA only (the H200 bundle); here vLLM {v}, "
-                f"CUDA {bench_serving.cuda_present()}")
+                f"CUDA {workload.cuda_present()}")
     return None
 
 
@@ -560,7 +560,7 @@ def run_system(args, shape: str, sizes: dict, system: str, repeat: int, logs: Pa
         res["servers"] = [getattr(s, "url", f"valkey 127.0.0.1:{s.port}") for s in servers]
         model = work / "model"  # one path: it is part of every key, replicas must share it
         sa = serving_args(args, shape)
-        bench_serving.model_config(sa).save_pretrained(str(model))
+        workload.model_config(sa).save_pretrained(str(model))
         base = dict(serving_argv=serving_argv(args, shape), model=str(model), work=str(work),
                     kv_cache_gb=sizes["kv_cache_gb"], seed=args.seed,
                     gpu_memory_utilization=(args.gpu_memory_utilization
@@ -643,7 +643,7 @@ def prime(args, shape: str, sizes: dict, logs: Path, env: dict) -> dict:
     work = Path(tempfile.mkdtemp(prefix="replicas-prime-"))
     t = time.monotonic()
     model = work / "model"
-    bench_serving.model_config(serving_args(args, shape)).save_pretrained(str(model))
+    workload.model_config(serving_args(args, shape)).save_pretrained(str(model))
     with Deferred():
         r = Replica(args, work, logs, "prime", dict(
             serving_argv=serving_argv(args, shape), model=str(model), work=str(work),

@@ -10,7 +10,7 @@ tier size is the one setting), beside no connector, in one run.
 
 The working set is `--docs` documents as OffloadingConnector keeps them: every
 full-attention token and the sliding window before the prompt's end
-(`bench_serving.sizes`: `docs_final_hit_bytes`, checked against the bytes it reports
+(`common/workload.py` `sizes`: `docs_final_hit_bytes`, checked against the bytes it reports
 storing, `vllm:kv_offload_store_bytes`). Each tier size runs `bench_serving.py` with
 scenarios `loop` and `zipf` (one engine per system, emptied between the two). `--layers`
 keeps that many of the shape's layers (same groups, head sizes, window and 5:1 pattern:
@@ -65,12 +65,11 @@ def parse_args(argv):
 
 def working_set(args, rest) -> dict:
     """OffloadingConnector's working set of the sweep's documents (no vLLM needed)."""
-    sys.path.insert(0, str(HERE))
-    import bench_serving
+    from common import workload
 
-    a = bench_serving.parse_args(["--out", "/dev/null", *config_arg(args),
+    a = workload.parse_args(["--out", "/dev/null", *config_arg(args),
                                   "--docs", str(args.docs), *rest])
-    sz = bench_serving.sizes(a, bench_serving.layout_of(a, bench_serving.model_config(a)))
+    sz = workload.sizes(a, workload.layout_of(a, workload.model_config(a)))
     return {"bytes": sz["docs_final_hit_bytes"], "sizes": sz, "layers": a.layers,
             "config": a.config}
 

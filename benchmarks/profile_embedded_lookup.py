@@ -43,7 +43,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from profile_server_lookup import Timers  # noqa: E402  (phase timers, shared)
+from common.timing import Timers  # noqa: E402  (phase timers, shared)
 
 CHUNK = 256
 

@@ -26,11 +26,13 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+from common.timing import Timers  # noqa: E402  (phase timers, shared)
 
 CHUNK = 256
 
@@ -51,41 +53,6 @@ class Counting:
             return attr(*a, **kw)
 
         return call
-
-
-class Timers:
-    """Host seconds and calls per named phase (wrapped functions); only one lookup runs at
-    a time, so the sums do not interleave. `unwrap` puts the original functions back."""
-
-    def __init__(self):
-        self.seconds, self.calls = defaultdict(float), Counter()
-        self._undo = []
-
-    def wrap(self, owner, name: str, label: str):
-        fn = getattr(owner, name)
-
-        def timed(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.seconds[label] += time.perf_counter() - t
-                self.calls[label] += 1
-
-        self._undo.append((owner, name, owner.__dict__.get(name)))
-        setattr(owner, name, timed)
-
-    def unwrap(self):
-        for owner, name, old in reversed(self._undo):
-            if old is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, old)
-        self._undo = []
-
-    def reset(self):
-        self.seconds.clear()
-        self.calls.clear()
 
 
 def main(argv=None) -> int:

@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import bench_serving  # noqa: E402  (the sweep's workload and sizes)
+from common import workload  # noqa: E402  (the sweep's workload and sizes)
 
 SWEEP = ["--config", "gemma4-12b-like", "--layers", "12", "--docs", "16", "--doc-len", "8192",
          "--question-len", "48", "--kv-cache-gb", "1", "--batch", "4", "--max-tokens", "4",
@@ -43,7 +43,7 @@ GiB = 1 << 30
 
 
 def sweep_args(seed: int = 0, extra: list[str] = ()) -> argparse.Namespace:
-    return bench_serving.parse_args(["--out", os.devnull, *SWEEP, "--seed", str(seed),
+    return workload.parse_args(["--out", os.devnull, *SWEEP, "--seed", str(seed),
                                      *extra])
 
 
@@ -93,7 +93,7 @@ class Engine:
         if system not in SYSTEMS:
             raise ValueError(f"system {system!r}: choose from {', '.join(SYSTEMS)}")
         self.args = args
-        cfg = bench_serving.model_config(args)
+        cfg = workload.model_config(args)
         model = workdir / "model"
         if not (model / "config.json").exists():
             cfg.save_pretrained(model)
@@ -102,15 +102,15 @@ class Engine:
                                   kv_connector_module_path="gemma4_kv.connector",
                                   kv_role="kv_both",
                                   kv_connector_extra_config={"cpu_gb": cpu_bytes / GiB})
-        else:  # bench_ttft.transfer_config's settings, as the sweep runs it
-            layout = bench_serving.layout_of(args, cfg)
+        else:  # common/peers.py transfer_config's settings, as the sweep runs it
+            layout = workload.layout_of(args, cfg)
             kt = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                   kv_connector_extra_config={
                                       "cpu_bytes_to_use": cpu_bytes,
                                       "blocks_per_chunk": 256 // max(
                                           g.block_size for g in layout.groups)})
         vc = EngineArgs(model=str(model), load_format="dummy", skip_tokenizer_init=True,
-                        dtype=args.dtype, seed=0, max_model_len=bench_serving.max_model_len(args),
+                        dtype=args.dtype, seed=0, max_model_len=workload.max_model_len(args),
                         block_size=16,  # vLLM's default on CUDA
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=max(args.batch, args.chat_batch or args.chat_users, 2),
@@ -312,8 +312,8 @@ class _OffloadingWorker:
 
 def working_set(args) -> int:
     """bench_sweep's working set: OffloadingConnector's bytes of `--docs` documents."""
-    layout = bench_serving.layout_of(args, bench_serving.model_config(args))
-    return bench_serving.sizes(args, layout)["docs_final_hit_bytes"]
+    layout = workload.layout_of(args, workload.model_config(args))
+    return workload.sizes(args, layout)["docs_final_hit_bytes"]
 
 
 def simulate(system: str, fraction: float, orders=("loop", "zipf"), seed: int = 0,
@@ -327,8 +327,8 @@ def simulate(system: str, fraction: float, orders=("loop", "zipf"), seed: int = 
         try:
             out = {}
             for name in orders:
-                plan = (bench_serving.zipf_rounds(args, engine.vocab, name) if name == "zipf"
-                        else bench_serving.longdoc_rounds(args, engine.vocab, name, args.docs,
+                plan = (workload.zipf_rounds(args, engine.vocab, name) if name == "zipf"
+                        else workload.longdoc_rounds(args, engine.vocab, name, args.docs,
                                                           args.loop_rounds))
                 out[name] = engine.run(plan)
                 engine.reset()
